@@ -1,0 +1,107 @@
+"""Per-node candidate strategies on the whole mesh: products of per-axis rules that shard evenly.
+
+`NodeStrategy.outs[i]` is the spec (one placement per mesh axis) of output i; `ins[j]` the spec the
+node requires of its j-th tensor input (node.all_input_nodes order). Placeholders get strategies from
+`autopar.costing` (parameters carry master/gradient/optimizer choices there); getitem nodes have none:
+they select an output of their producer.
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autopar.errors import UnsupportedOpWarning
+from autopar.placement import R, divides, is_partial, spec_str
+from autopar.rules import AxisStrategy, OpCall, find_rule
+
+
+@dataclass(frozen=True)
+class NodeStrategy:
+    outs: tuple   # per output: Spec or None (non-tensor output)
+    ins: tuple    # per tensor input: Spec
+
+    def __str__(self) -> str:
+        outs = ",".join(spec_str(o) for o in self.outs if o is not None)
+        ins = ",".join(spec_str(i) for i in self.ins)
+        return f"{outs} <- {ins}"
+
+
+def val_of(node: fx.Node):
+    return node.meta.get("val")
+
+
+def is_getitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+class StrategyEnumerator:
+    """Enumerates strategies per node, caching by op signature (identical layers repeat signatures)."""
+
+    def __init__(self, axis_sizes: tuple[int, ...]):
+        self.axis_sizes = tuple(axis_sizes)
+        self._cache: dict[str, list[NodeStrategy]] = {}
+        self.unsupported: dict[str, int] = {}
+        self.cache_hits = 0
+
+    def __call__(self, node: fx.Node) -> list[NodeStrategy]:
+        call = OpCall(node, val_of)
+        key = repr((node.target, call.args, call.kwargs, call.outs, self.axis_sizes))
+        if key in self._cache:
+            self.cache_hits += 1
+            return self._cache[key]
+        self._cache[key] = result = self._enumerate(call)
+        return result
+
+    def _axis_strategies(self, call: OpCall) -> list[AxisStrategy]:
+        rule = find_rule(call.target)
+        replicate = AxisStrategy(tuple(R if o is not None else None for o in call.outs), (R,) * call.num_inputs)
+        if rule is None:
+            name = str(call.target)
+            if name not in self.unsupported:
+                warnings.warn(f"autopar: no sharding rule for {name}; it runs replicated (correct, maybe "
+                              "slower). Please report the op.", UnsupportedOpWarning, stacklevel=3)
+            self.unsupported[name] = self.unsupported.get(name, 0) + 1
+            return [replicate]
+        seen, out = set(), [replicate]
+        seen.add(replicate)
+        for s in rule(call):
+            s = AxisStrategy(tuple(p if o is not None else None for p, o in zip(s.outs, call.outs)), s.ins)
+            if s not in seen:
+                seen.add(s)
+                out.append(s)
+        return out
+
+    def _enumerate(self, call: OpCall) -> list[NodeStrategy]:
+        per_axis = self._axis_strategies(call)
+        in_shapes = [(tuple(int(x) for x in val_of(n).shape), val_of(n).dtype)
+                     if isinstance(val_of(n), torch.Tensor) else (None, None) for n in call.inputs]
+        result = []
+        for combo in itertools.product(per_axis, repeat=len(self.axis_sizes)):
+            outs = tuple(None if call.outs[i] is None else tuple(a.outs[i] for a in combo)
+                         for i in range(len(call.outs)))
+            ins = tuple(tuple(a.ins[j] for a in combo) for j in range(call.num_inputs))
+            if self._fits(outs, call.outs, ins, in_shapes):
+                result.append(NodeStrategy(outs, ins))
+        return result
+
+    def _fits(self, outs, out_infos, ins, in_shapes) -> bool:
+        for spec, info in zip(outs, out_infos):
+            if spec is None:
+                continue
+            if not divides(spec, info.shape, self.axis_sizes):
+                return False
+            if not info.dtype.is_floating_point and any(is_partial(p) for p in spec):
+                return False
+        for spec, (shape, dtype) in zip(ins, in_shapes):
+            if shape is None:
+                continue
+            if not divides(spec, shape, self.axis_sizes):
+                return False
+            if not dtype.is_floating_point and any(is_partial(p) for p in spec):
+                return False
+        return True
