@@ -46,7 +46,7 @@ def full_like_rule(call: OpCall) -> list:
     strats = [call.strat(S(d), {x.idx: S(d)}) for d in range(x.ndim) if x.shape[d] > 1]
     if isinstance(value, (int, float)):
         strats += _constant_partials(call, value, {x.idx: R})
-        strats.append(call.strat(R, {x.idx: P}))
+        strats += [call.strat(R, {x.idx: p}) for p in (P, PAVG)]  # only the shape of x matters
     return strats
 
 

@@ -1,0 +1,98 @@
+"""Canonicalise a captured joint graph before planning (structure only; numerics unchanged).
+
+  * addmm(b, A, B) -> add(mm(A, B), b): keeps Megatron's row-parallel split (mm -> Partial, then the
+    bias added once) expressible; a single addmm cannot take a contraction split.
+  * parameter views used by the backward get their own copy: a ZeRO-3 plan then gathers the weight
+    again in backward instead of silently keeping the forward's gathered copy alive.
+  * nodes without users and without effects are dropped.
+Meta (val, phase, module_path) is carried onto every node made here, with meta["autopar_pass"].
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+VIEW_OPS = {aten.view, aten._unsafe_view, aten.reshape, aten.permute, aten.t, aten.transpose, aten.expand,
+            aten.unsqueeze, aten.squeeze, aten.slice, aten.select, aten.alias, aten.detach, aten.view_copy,
+            aten.permute_copy, aten.t_copy, aten.transpose_copy, aten.expand_copy, aten.unsqueeze_copy,
+            aten.squeeze_copy, aten.slice_copy, aten.alias_copy, aten.clone, aten._to_copy}
+
+
+def packet(node: fx.Node):
+    return getattr(node.target, "overloadpacket", None)
+
+
+def is_view_like(node: fx.Node) -> bool:
+    return node.op == "call_function" and packet(node) in VIEW_OPS
+
+
+def _copy_meta(src: fx.Node, dst: fx.Node, why: str, **overrides) -> None:
+    for key in ("val", "phase", "module_path", "stack_trace", "nn_module_stack"):
+        if key in src.meta:
+            dst.meta[key] = src.meta[key]
+    dst.meta.update(overrides)
+    dst.meta["autopar_pass"] = why
+
+
+def split_addmm(gm: fx.GraphModule) -> int:
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.addmm.default or node.kwargs:
+            continue
+        bias, a, b = node.args[:3]
+        with gm.graph.inserting_before(node):
+            mm = gm.graph.call_function(aten.mm.default, (a, b))
+            add = gm.graph.call_function(aten.add.Tensor, (mm, bias))
+        _copy_meta(node, mm, "canonicalize.split_addmm")
+        _copy_meta(node, add, "canonicalize.split_addmm")
+        node.replace_all_uses_with(add)
+        gm.graph.erase_node(node)
+        count += 1
+    return count
+
+
+def _param_derived(node: fx.Node, memo: dict) -> bool:
+    """True if `node` is a parameter placeholder or a view-like chain of one."""
+    if node in memo:
+        return memo[node]
+    if node.op == "placeholder":
+        memo[node] = node.meta.get("autopar_role") == "param"
+    else:
+        memo[node] = is_view_like(node) and all(_param_derived(a, memo) for a in node.all_input_nodes)
+    return memo[node]
+
+
+def split_param_views(gm: fx.GraphModule) -> int:
+    """Give backward users of forward parameter views their own copy of the view chain."""
+    memo: dict = {}
+    copies: dict = {}
+
+    def bwd_copy(node: fx.Node) -> fx.Node:
+        if node.op == "placeholder" or node.meta.get("phase") == "backward":
+            return node
+        if node not in copies:
+            args = fx.node.map_arg(node.args, bwd_copy)
+            kwargs = fx.node.map_arg(node.kwargs, bwd_copy)
+            with gm.graph.inserting_after(node):
+                copies[node] = new = gm.graph.call_function(node.target, args, kwargs)
+            _copy_meta(node, new, "canonicalize.split_param_views", phase="backward")
+        return copies[node]
+
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.meta.get("phase") != "forward" or not _param_derived(node, memo):
+            continue
+        bwd_users = [u for u in node.users if u.op == "call_function" and u.meta.get("phase") == "backward"]
+        for user in bwd_users:
+            user.replace_input_with(node, bwd_copy(node))
+    return len(copies)
+
+
+def canonicalize(gm: fx.GraphModule) -> dict[str, int]:
+    """Apply every canonicalisation in place; returns counts of what changed."""
+    stats = {"split_addmm": split_addmm(gm), "split_param_views": split_param_views(gm)}
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return stats

@@ -1,0 +1,290 @@
+"""Build the solver's CostGraph from a canonical joint graph: seconds and bytes per choice.
+
+Cost-graph nodes are the graph's placeholders and ops (getitem nodes select an output of their
+producer and are folded into edges). For strategy s of node v:
+    time[v, s]   = roofline(local FLOPs, local bytes)  + node-local collectives
+                   (zero1/2 parameter all-gather, the loss all-reduce to Replicate)
+    memory[v, s] = parameter + gradient + optimizer bytes (parameters), or the local bytes of
+                   outputs saved for backward (forward ops whose value a backward op reads)
+Edge (u, v): time[a, b] = reshard(u's output spec under a -> v's required input spec under b).
+Gradient edge (param p, grad producer g): reshard(g's output -> p's master spec): this is the
+all-reduce (dp) or reduce-scatter (zero) of the gradient.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from autopar.canonicalize import VIEW_OPS, packet
+from autopar.costgraph import CostEdge, CostGraph, CostNode
+from autopar.costmodel import compute
+from autopar.costmodel.memory import optimizer_state_bytes_per_param
+from autopar.params import ParamStrategy, input_strategies, param_memory, param_strategies
+from autopar.placement import Shard, local_fraction, replicated
+from autopar.reshard import ReshardCost
+from autopar.strategies import NodeStrategy, StrategyEnumerator, is_getitem, val_of
+
+CATEGORIES = ("params", "grads", "optimizer", "activations")
+FREE_OPS = VIEW_OPS - {torch.ops.aten.clone, torch.ops.aten._to_copy}  # aliases: no kernel, no bytes
+
+
+@dataclass
+class EdgeInfo:
+    src: int          # cost-graph node index of the producer (or the parameter, for "grad" edges)
+    out: int          # which output of the producer
+    dst: int          # cost-graph node index of the consumer (or the gradient's producer)
+    pos: int          # which tensor input of the consumer (-1 for "grad" edges)
+    nbytes: float     # global bytes of the tensor moved
+    kind: str         # "data" | "grad"
+
+
+@dataclass
+class Problem:
+    """Everything the planner knows about one (graph, mesh) pair, aligned with `cg` indices."""
+    gm: fx.GraphModule
+    mesh: object
+    nodes: list[fx.Node]
+    strategies: list[list[NodeStrategy]]
+    edges: list[EdgeInfo]
+    compute: list[np.ndarray]          # seconds per strategy (roofline)
+    local_comm: list[np.ndarray]       # seconds per strategy of node-local collectives
+    memory: list[dict[str, np.ndarray]]  # category -> bytes per strategy
+    cg: CostGraph = None
+    index: dict = field(default_factory=dict)
+    loss_index: int = -1
+    param_index: dict = field(default_factory=dict)   # param FQN -> node index
+    reshard: ReshardCost = None
+
+
+def nbytes_of(val) -> float:
+    return float(val.numel() * val.element_size()) if isinstance(val, torch.Tensor) else 0.0
+
+
+def resolve(node: fx.Node) -> tuple[fx.Node, int]:
+    """(producer, output index) of a value: getitem(p, i) is output i of p."""
+    if is_getitem(node):
+        return node.args[0], int(node.args[1])
+    return node, 0
+
+
+def split_factor(strat: NodeStrategy, axis_sizes) -> int:
+    """Devices the work is divided among: axes where any operand is sharded."""
+    f = 1
+    for axis, n in enumerate(axis_sizes):
+        specs = [s for s in (*strat.outs, *strat.ins) if s is not None]
+        if any(isinstance(s[axis], Shard) for s in specs):
+            f *= n
+    return f
+
+
+def _node_compute(node: fx.Node, strats: list[NodeStrategy], hw, axis_sizes) -> np.ndarray:
+    if packet(node) in FREE_OPS:
+        return np.zeros(len(strats))
+    args = fx.node.map_arg(node.args, val_of)
+    kwargs = fx.node.map_arg(node.kwargs, val_of)
+    out = val_of(node)
+    flops = compute.node_flops(node.target, args, kwargs, out)
+    in_bytes = [nbytes_of(val_of(a)) for a in node.all_input_nodes]
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    out_bytes = [nbytes_of(o) for o in outs]
+    dtype = next((o.dtype for o in outs if isinstance(o, torch.Tensor)), torch.float32)
+    times = np.empty(len(strats))
+    for k, s in enumerate(strats):
+        local = sum(b * local_fraction(spec, axis_sizes) for b, spec in zip(in_bytes, s.ins))
+        local += sum(b * local_fraction(spec, axis_sizes) for b, spec in zip(out_bytes, s.outs) if spec is not None)
+        times[k] = compute.op_time(flops / split_factor(s, axis_sizes), local, hw, dtype)
+    return times
+
+
+def saved_values(gm: fx.GraphModule) -> set[tuple[fx.Node, int]]:
+    """Forward values read by backward ops, resolved through view-like ops to their base."""
+    saved = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.meta.get("phase") != "backward":
+            continue
+        for a in node.all_input_nodes:
+            base, i = resolve(a)
+            while base.op == "call_function" and packet(base) in FREE_OPS and base.meta.get("phase") == "forward":
+                base, i = resolve(base.all_input_nodes[0])
+            if base.op == "placeholder" and base.meta.get("autopar_role") != "input":
+                continue  # parameters and buffers are counted as such
+            if base.op == "placeholder" or base.meta.get("phase") == "forward":
+                saved.add((base, i))
+    return saved
+
+
+class ProblemBuilder:
+    def __init__(self, captured, mesh, optimizer: str = "adamw", enumerator: StrategyEnumerator | None = None):
+        self.captured = captured
+        self.gm = captured.gm
+        self.mesh = mesh
+        self.axis_sizes = tuple(mesh.shape)
+        self.hw = mesh.hardware
+        self.optimizer = optimizer
+        self.enumerate = enumerator or StrategyEnumerator(self.axis_sizes)
+        self.reshard = ReshardCost(mesh)
+
+    def build(self, allowed=None) -> Problem:
+        """`allowed(node, strategies) -> strategies` may restrict choices (forced recipes)."""
+        nodes, strats = [], []
+        for node in self.gm.graph.nodes:
+            if node.op == "output" or is_getitem(node) or val_of(node) is None:
+                continue
+            cands = self._strategies(node)
+            if allowed is not None:
+                cands = allowed(node, cands)
+            if not cands:
+                raise AssertionError(f"no strategy left for {node.name}")
+            nodes.append(node)
+            strats.append(cands)
+        prob = Problem(self.gm, self.mesh, nodes, strats, [], [], [], [], reshard=self.reshard)
+        prob.index = {n: i for i, n in enumerate(nodes)}
+        prob.param_index = {n.meta["autopar_name"]: prob.index[n] for n in nodes
+                            if n.op == "placeholder" and n.meta["autopar_role"] == "param"}
+        self._node_costs(prob)
+        self._data_edges(prob)
+        self._grad_edges(prob)
+        self._loss(prob)
+        prob.cg = self._cost_graph(prob)
+        return prob
+
+    def _strategies(self, node: fx.Node) -> list[NodeStrategy]:
+        if node.op != "placeholder":
+            return self.enumerate(node)
+        shape = tuple(int(s) for s in val_of(node).shape)
+        if node.meta["autopar_role"] == "param":
+            trainable = node.meta["autopar_name"] in self.captured.grad_param_names
+            return param_strategies(shape, self.axis_sizes, trainable)
+        return input_strategies(shape, self.axis_sizes)
+
+    def _node_costs(self, prob: Problem) -> None:
+        saved = {}
+        for base, i in saved_values(self.gm):
+            saved.setdefault(base, []).append(i)
+        opt_bytes = optimizer_state_bytes_per_param(self.optimizer, torch.float32)
+        for node, strats in zip(prob.nodes, prob.strategies):
+            k = len(strats)
+            mem = {c: np.zeros(k) for c in CATEGORIES}
+            comm = np.zeros(k)
+            val = val_of(node)
+            if node.op == "placeholder":
+                prob.compute.append(self._placeholder_costs(node, strats, mem, comm, opt_bytes))
+            else:
+                prob.compute.append(_node_compute(node, strats, self.hw, self.axis_sizes))
+            outs = val if isinstance(val, (tuple, list)) else (val,)
+            for i in saved.get(node, ()):
+                for s_idx, s in enumerate(strats):
+                    mem["activations"][s_idx] += nbytes_of(outs[i]) * local_fraction(s.outs[i], self.axis_sizes)
+            prob.local_comm.append(comm)
+            prob.memory.append(mem)
+
+    def _placeholder_costs(self, node, strats, mem, comm, opt_bytes) -> np.ndarray:
+        val = val_of(node)
+        nbytes = nbytes_of(val)
+        times = np.zeros(len(strats))
+        if node.meta["autopar_role"] != "param":
+            if node.meta["autopar_role"] == "buffer":
+                mem["params"][:] = [nbytes * local_fraction(s.outs[0], self.axis_sizes) for s in strats]
+            return times
+        trainable = node.meta["autopar_name"] in self.captured.grad_param_names
+        elem_opt = opt_bytes * 4 / val.element_size() if val.element_size() else opt_bytes
+        for k, s in enumerate(strats):
+            for cat, b in param_memory(s, nbytes, val.numel(), self.axis_sizes, opt_bytes, trainable).items():
+                mem[cat][k] = b
+            if s.outs[0] != s.master:  # zero1/2: gather the updated master once per step (bucketed)
+                comm[k] = self.reshard.time(s.master, s.outs[0], nbytes, bucketed=True)
+            if trainable:  # optimizer step: read p, g, states; write p, states (memory bound)
+                touched = (3 * nbytes + val.numel() * 2 * opt_bytes) * local_fraction(s.master, self.axis_sizes)
+                times[k] = touched / self.hw.mem_bandwidth
+        del elem_opt
+        return times
+
+    def _data_edges(self, prob: Problem) -> None:
+        for dst, node in enumerate(prob.nodes):
+            if node.op == "placeholder":
+                continue
+            for pos, a in enumerate(node.all_input_nodes):
+                producer, out = resolve(a)
+                if producer not in prob.index:
+                    continue
+                prob.edges.append(EdgeInfo(prob.index[producer], out, dst, pos, nbytes_of(val_of(a)), "data"))
+
+    def _grad_edges(self, prob: Problem) -> None:
+        for name, g in self.captured.grad_nodes.items():
+            producer, out = resolve(g)
+            if producer not in prob.index or name not in prob.param_index:
+                continue
+            prob.edges.append(EdgeInfo(prob.param_index[name], out, prob.index[producer], -1,
+                                       nbytes_of(val_of(g)), "grad"))
+
+    def _loss(self, prob: Problem) -> None:
+        producer, out = resolve(self.captured.loss_node)
+        prob.loss_index = prob.index[producer]
+        nbytes = nbytes_of(val_of(self.captured.loss_node))
+        rep = replicated(len(self.axis_sizes))
+        for k, s in enumerate(prob.strategies[prob.loss_index]):
+            # the loss all-reduce rides in the last gradient bucket (the runtime fuses it there)
+            prob.local_comm[prob.loss_index][k] += self.reshard.time(s.outs[out], rep, nbytes, bucketed=True)
+
+    def edge_matrix(self, prob: Problem, e: EdgeInfo) -> np.ndarray:
+        src_s, dst_s = prob.strategies[e.src], prob.strategies[e.dst]
+        if e.kind == "grad":  # src is the parameter: its master spec; dst produces the gradient
+            return np.array([[self.reshard.time(d.outs[e.out], s.master, e.nbytes, bucketed=True) for d in dst_s]
+                             for s in src_s])
+        src_specs = [s.outs[e.out] for s in src_s]
+        dst_specs = [d.ins[e.pos] for d in dst_s]
+        uniq_src = {sp: i for i, sp in enumerate(dict.fromkeys(src_specs))}
+        uniq_dst = {sp: i for i, sp in enumerate(dict.fromkeys(dst_specs))}
+        small = np.array([[self.reshard.time(a, b, e.nbytes) for b in uniq_dst] for a in uniq_src])
+        return small[np.ix_([uniq_src[s] for s in src_specs], [uniq_dst[d] for d in dst_specs])]
+
+    def _cost_graph(self, prob: Problem) -> CostGraph:
+        nodes = [CostNode(n.name, prob.compute[i] + prob.local_comm[i], sum(prob.memory[i].values()))
+                 for i, n in enumerate(prob.nodes)]
+        edges = []
+        for e in prob.edges:
+            src, dst, mat = e.src, e.dst, self.edge_matrix(prob, e)
+            edges.append(CostEdge(src, dst, mat))
+        return CostGraph(nodes, edges, layer_groups=layer_groups(prob))
+
+
+def layer_of(path: str) -> tuple[str, int] | None:
+    """("transformer.h", 3) for "transformer.h.3.attn.c_attn" — the first numbered component."""
+    parts = path.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[:i]), int(p)
+    return None
+
+
+def node_path(node: fx.Node) -> str:
+    if node.op == "placeholder":
+        return node.meta.get("autopar_name", "")
+    return node.meta.get("module_path", "") or ""
+
+
+def layer_groups(prob: Problem) -> list[list[list[int]]]:
+    """Classes of structurally identical layers, each layer a list of node indices in order."""
+    layers: dict[tuple[str, int], list[int]] = {}
+    for i, node in enumerate(prob.nodes):
+        key = layer_of(node_path(node))
+        if key is not None:
+            layers.setdefault(key, []).append(i)
+    classes: dict[tuple, list[list[int]]] = {}
+    for (container, _), idxs in sorted(layers.items()):
+        sig = (container,) + tuple(_signature(prob, i) for i in idxs)
+        classes.setdefault(sig, []).append(idxs)
+    return [layers_ for layers_ in classes.values() if len(layers_) > 1]
+
+
+def _signature(prob: Problem, i: int) -> tuple:
+    node = prob.nodes[i]
+    val = val_of(node)
+    shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+    return (str(node.target), node.op, shape, len(prob.strategies[i]), node.meta.get("phase"))
+
+

@@ -1,0 +1,125 @@
+"""Forced strategies: the textbook recipes (dp, zero1/2/3, tp) as restrictions of the search space.
+
+A recipe names, per mesh axis, what that axis may do:
+    dp / zero1 / zero2 / zero3   activations split along the batch (the placement the batch split
+                                 propagates to each op: Shard(batch dim), Partial for weight
+                                 gradients, Replicate for parameter-only values); parameters in mode
+                                 dp / zero1 / zero2 / shard(ZeRO dim) on that axis.
+    tp                           inputs replicated, no op split along the batch; parameters dp or
+                                 shard (the solver picks Megatron's column/row splits).
+    auto                         no restriction.
+The solver still prices and chooses within the restriction, so recipes and auto share one model.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch.fx as fx
+
+from autopar.errors import InputError
+from autopar.placement import R, S, is_partial, is_shard
+from autopar.params import ParamStrategy, zero_dim
+from autopar.rules import OpCall
+from autopar.strategies import StrategyEnumerator, is_getitem, val_of
+
+RECIPES = ("auto", "dp", "zero1", "zero2", "zero3", "tp")
+PARAM_MODE = {"dp": "dp", "zero1": "zero1", "zero2": "zero2", "zero3": "shard"}
+
+
+def normalize(strategy, mesh) -> tuple[str, ...]:
+    """One recipe name per mesh axis from "auto" | "dp" | ... | {axis_name: recipe}."""
+    if isinstance(strategy, str):
+        if strategy not in RECIPES:
+            raise InputError(f"unknown strategy {strategy!r}; choose one of {', '.join(RECIPES)} "
+                             "or a dict {axis_name: strategy}")
+        return (strategy,) * mesh.ndim
+    if isinstance(strategy, dict):
+        out = ["auto"] * mesh.ndim
+        for axis, name in strategy.items():
+            if axis not in mesh.axis_names and not (isinstance(axis, int) and -mesh.ndim <= axis < mesh.ndim):
+                raise InputError(f"strategy names mesh axis {axis!r}, but the mesh axes are {mesh.axis_names}")
+            out[mesh.axis_index(axis)] = normalize(name, type("M", (), {"ndim": 1})())[0]
+        return tuple(out)
+    raise InputError(f"strategy must be a recipe name or a dict {{axis_name: recipe}}, got {type(strategy).__name__}")
+
+
+def batch_propagation(gm: fx.GraphModule, n: int = 2) -> dict[fx.Node, object]:
+    """The 1-D placement each value takes when the user inputs are split along dim 0.
+
+    Parameters and buffers start Replicate; each op takes the rule strategy that accepts its inputs'
+    placements (a Replicate input may be sliced to a Shard for free) preferring Shard, then Partial,
+    then Replicate outputs. Multi-output ops map to the tuple of output placements.
+    """
+    enum = StrategyEnumerator((n,))
+    place: dict[fx.Node, object] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            v = val_of(node)
+            batchy = node.meta.get("autopar_role") == "input" and v.ndim > 0 and v.shape[0] % n == 0
+            place[node] = S(0) if batchy else R
+        elif is_getitem(node):
+            outs = place[node.args[0]]
+            place[node] = outs[node.args[1]] if isinstance(outs, tuple) else outs
+        elif node.op == "call_function" and val_of(node) is not None:
+            place[node] = _best(enum, node, [place.get(a, R) for a in node.all_input_nodes])
+    return place
+
+
+def _rank(outs) -> int:
+    ps = [p for p in outs if p is not None]
+    return 2 if any(is_shard(p) for p in ps) else 1 if any(is_partial(p) for p in ps) else 0
+
+
+def _best(enum: StrategyEnumerator, node: fx.Node, have: list):
+    call = OpCall(node, val_of)
+    fits = [s for s in enum._axis_strategies(call)
+            if all(want == got or (got == R and is_shard(want)) for want, got in zip(s.ins, have))]
+    fits = [s for s in fits if enum._fits(tuple((p,) if p is not None else None for p in s.outs), call.outs,
+                                        tuple((p,) for p in s.ins), _in_info(call))]
+    if not fits or not have:  # factories (no tensor inputs) stay replicated
+        return R if not call.multi else tuple(R if o is not None else None for o in call.outs)
+    # exact input matches first (a free slice of a Replicate input is a last resort), then
+    # Shard > Partial > Replicate outputs; max keeps the first among equals: deterministic
+    best = max(fits, key=lambda s: (sum(w == g for w, g in zip(s.ins, have)), _rank(s.outs)))
+    return best.outs if call.multi else best.outs[0]
+
+
+def _in_info(call: OpCall):
+    return [(tuple(int(x) for x in val_of(n).shape), val_of(n).dtype) if hasattr(val_of(n), "shape")
+            else (None, None) for n in call.inputs]
+
+
+def restriction(gm: fx.GraphModule, recipes: tuple[str, ...], axis_sizes: tuple[int, ...]) -> Callable | None:
+    """A filter `allowed(node, strategies) -> strategies` implementing the recipes, or None for auto."""
+    if all(r == "auto" for r in recipes):
+        return None
+    batch = {axis: batch_propagation(gm, axis_sizes[axis]) for axis, r in enumerate(recipes) if r != "auto"}
+
+    def ok(node: fx.Node, strat, axis: int, recipe: str) -> bool:
+        want = batch[axis][node] if not is_getitem(node) else None
+        outs = strat.outs
+        if isinstance(strat, ParamStrategy):
+            mode = strat.modes[axis]
+            if recipe == "tp":
+                return mode in ("dp", "shard")
+            wanted = PARAM_MODE[recipe]
+            if wanted == "shard":
+                dz = zero_dim(tuple(val_of(node).shape), axis_sizes[axis])
+                return (mode == "shard" and outs[0][axis] == S(dz)) if dz is not None else mode == "dp"
+            return mode == wanted or (mode == "dp" and wanted != "dp" and not _zero_ok(node, axis_sizes[axis]))
+        got = tuple(o[axis] if o is not None else None for o in outs)
+        want = want if isinstance(want, tuple) else (want,)
+        if recipe == "tp":
+            return all(not (w is not None and is_shard(w) and g == w) for g, w in zip(got, want)) and \
+                (node.op != "placeholder" or got[0] == R)
+        return got == want
+
+    def allowed(node: fx.Node, strategies: list) -> list:
+        keep = [s for s in strategies if all(ok(node, s, a, r) for a, r in enumerate(recipes) if r != "auto")]
+        return keep or strategies[:1]  # nothing matches: the all-Replicate strategy (always first)
+
+    return allowed
+
+
+def _zero_ok(node: fx.Node, n: int) -> bool:
+    return zero_dim(tuple(val_of(node).shape), n) is not None

@@ -1,0 +1,97 @@
+"""The cost of moving a tensor from one spec to another, one mesh axis at a time, in seconds.
+
+Per axis (n devices, B = bytes of the tensor as held across that axis):
+    S(i) -> R : all_gather(B)          P -> R    : all_reduce(B)
+    P -> S(i) : reduce_scatter(B)      S(i)->S(j): all_to_all(B / n)
+    R -> S(i) : free (local slice)     R -> P    : free (rank 0 keeps it, others zero; avg: as is)
+    S(i) -> P : all_gather(B)          P(a)->P(b): all_reduce(B)
+Axes are processed in mesh order and B follows the tensor as each axis changes (a gather on axis 0
+makes the message on axis 1 larger). `steps()` lists the collectives, `time()` sums them.
+
+Two refinements of plain alpha-beta, both mirrored by the runtime:
+  * gradient collectives are bucketed (BUCKET_BYTES, as DDP/FSDP do): a gradient of B bytes pays
+    min(1, B / BUCKET_BYTES) of one collective's latency, so 100 small biases do not cost 100 alphas;
+  * every other collective also pays a launch overhead of LAUNCH_FRACTION * alpha, which breaks
+    ties towards fewer collectives (one all_reduce rather than reduce_scatter + all_gather).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from autopar.costmodel.comm import collective_time
+from autopar.costmodel.hardware import LinkSpec
+from autopar.placement import Spec, is_partial, is_shard, local_fraction
+
+BUCKET_BYTES = 25 * 2**20
+LAUNCH_FRACTION = 0.1
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str      # all_gather | all_reduce | reduce_scatter | all_to_all
+    axis: int
+    nbytes: float  # the B of the collective formula
+
+
+def axis_step(src, dst, axis: int, nbytes: float, n: int) -> Step | None:
+    if src == dst or n == 1:
+        return None
+    if is_shard(dst):
+        if is_partial(src):
+            return Step("reduce_scatter", axis, nbytes)
+        if is_shard(src):
+            return Step("all_to_all", axis, nbytes / n)
+        return None  # R -> S: slice locally
+    if is_partial(dst):
+        if is_shard(src):
+            return Step("all_gather", axis, nbytes)
+        if is_partial(src):
+            return Step("all_reduce", axis, nbytes)
+        return None  # R -> P: mask (sum) or keep (avg)
+    # dst is Replicate
+    return Step("all_gather" if is_shard(src) else "all_reduce", axis, nbytes)
+
+
+def steps(src: Spec, dst: Spec, nbytes: float, axis_sizes: tuple[int, ...]) -> list[Step]:
+    """Collectives that turn a tensor of `nbytes` global bytes from spec `src` into `dst`."""
+    out = []
+    current = list(src)
+    for axis, n in enumerate(axis_sizes):
+        held = nbytes * local_fraction(tuple(p for a, p in enumerate(current) if a != axis),
+                                       tuple(m for a, m in enumerate(axis_sizes) if a != axis))
+        step = axis_step(current[axis], dst[axis], axis, held, n)
+        if step is not None:
+            out.append(step)
+        current[axis] = dst[axis]
+    return out
+
+
+class ReshardCost:
+    """Prices spec changes on a mesh, caching by (src, dst, bytes, bucketed)."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self.axis_sizes = tuple(mesh.shape)
+        self._time = lru_cache(maxsize=None)(self._compute)
+
+    def step_time(self, step: Step, bucketed: bool = False, total_bytes: float | None = None) -> float:
+        link = self.mesh.hardware.link(self.mesh.link_kind(step.axis), step.kind)
+        if bucketed:
+            share = min(1.0, (total_bytes if total_bytes is not None else step.nbytes) / BUCKET_BYTES)
+            latency = link.latency * share
+        else:
+            latency = link.latency
+        t = collective_time(step.kind, step.nbytes, self.axis_sizes[step.axis], LinkSpec(link.bandwidth, latency))
+        return t if bucketed else t + LAUNCH_FRACTION * link.latency
+
+    def _compute(self, src: Spec, dst: Spec, nbytes: float, bucketed: bool) -> float:
+        return sum(self.step_time(s, bucketed, nbytes) for s in steps(src, dst, nbytes, self.axis_sizes))
+
+    def time(self, src: Spec, dst: Spec, nbytes: float, bucketed: bool = False) -> float:
+        if src == dst:
+            return 0.0
+        return self._time(src, dst, float(nbytes), bucketed)
+
+    def steps(self, src: Spec, dst: Spec, nbytes: float) -> list[Step]:
+        return steps(src, dst, nbytes, self.axis_sizes)
