@@ -285,6 +285,7 @@ def _signature(prob: Problem, i: int) -> tuple:
     node = prob.nodes[i]
     val = val_of(node)
     shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
-    return (str(node.target), node.op, shape, len(prob.strategies[i]), node.meta.get("phase"))
+    target = node.meta.get("autopar_role") if node.op == "placeholder" else str(node.target)
+    return (target, node.op, shape, len(prob.strategies[i]), node.meta.get("phase"))
 
 

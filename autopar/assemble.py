@@ -1,0 +1,144 @@
+"""Turn a solved Problem into a Plan: placements per node and parameter, collectives, totals."""
+from __future__ import annotations
+
+import numpy as np
+
+from autopar.costing import CATEGORIES, Problem, resolve
+from autopar.params import ParamStrategy
+from autopar.placement import replicated, to_str
+from autopar.plan import CollectiveRecord, NodeChoice, ParamPlacement
+
+
+def spec_strs(spec) -> tuple | None:
+    return None if spec is None else tuple(to_str(p) for p in spec)
+
+
+def _module(node) -> str:
+    if node.op == "placeholder":
+        return node.meta.get("autopar_name", node.name).rsplit(".", 1)[0]
+    return node.meta.get("module_path", "") or ""
+
+
+def collectives(prob: Problem, choice: np.ndarray, captured) -> list[CollectiveRecord]:
+    """Every collective the plan runs, in graph order, with its phase and predicted seconds."""
+    names = prob.mesh.axis_names
+    rs = prob.reshard
+    records = []
+
+    def add(steps, phase, source, module, reason, bucketed):
+        for st in steps:
+            records.append(CollectiveRecord(st.kind, names[st.axis], st.nbytes, rs.step_time(st, bucketed),
+                                            phase, source, module, reason))
+
+    for i, node in enumerate(prob.nodes):  # zero1/2 gathers of the master, once per step
+        s = prob.strategies[i][choice[i]]
+        if isinstance(s, ParamStrategy) and s.outs[0] != s.master:
+            add(rs.steps(s.master, s.outs[0], _bytes(node)), "forward", node.meta["autopar_name"],
+                _module(node), "parameter gather (ZeRO-1/2)", True)
+    for e in prob.edges:
+        src_s, dst_s = prob.strategies[e.src][choice[e.src]], prob.strategies[e.dst][choice[e.dst]]
+        src_node, dst_node = prob.nodes[e.src], prob.nodes[e.dst]
+        if e.kind == "grad":
+            add(rs.steps(dst_s.outs[e.out], src_s.master, e.nbytes), "backward", src_node.meta["autopar_name"],
+                _module(src_node), "gradient", True)
+        else:
+            a, b = src_s.outs[e.out], dst_s.ins[e.pos]
+            reason = f"{_spec_text(a)}->{_spec_text(b)} for {dst_node.target}"
+            add(rs.steps(a, b, e.nbytes), dst_node.meta.get("phase", "forward"), src_node.name, _module(dst_node),
+                reason, False)
+    loss_i = prob.loss_index
+    producer, out = resolve(captured.loss_node)
+    s = prob.strategies[loss_i][choice[loss_i]]
+    add(rs.steps(s.outs[out], replicated(prob.mesh.ndim), 4.0), "backward", "loss", "", "loss to every rank", True)
+    return records
+
+
+def _spec_text(spec) -> str:
+    return "(" + ",".join(to_str(p) for p in spec) + ")"
+
+
+def _bytes(node) -> float:
+    v = node.meta["val"]
+    return float(v.numel() * v.element_size())
+
+
+def node_choices(prob: Problem, choice: np.ndarray) -> dict[str, NodeChoice]:
+    out = {}
+    for i, node in enumerate(prob.nodes):
+        s = prob.strategies[i][choice[i]]
+        out[node.name] = NodeChoice(tuple(spec_strs(o) for o in s.outs), tuple(spec_strs(x) for x in s.ins),
+                                    _module(node), node.meta.get("phase", "input"))
+    return out
+
+
+def param_placements(prob: Problem, choice: np.ndarray) -> dict[str, ParamPlacement]:
+    out = {}
+    for name, i in prob.param_index.items():
+        s = prob.strategies[i][choice[i]]
+        shape = tuple(int(x) for x in prob.nodes[i].meta["val"].shape)
+        out[name] = ParamPlacement(name, shape, spec_strs(s.outs[0]), spec_strs(s.master), spec_strs(s.grad_hold),
+                                   tuple(s.modes))
+    return out
+
+
+def totals(prob: Problem, choice: np.ndarray) -> dict:
+    compute = float(sum(prob.compute[i][k] for i, k in enumerate(choice)))
+    local = float(sum(prob.local_comm[i][k] for i, k in enumerate(choice)))
+    edges = float(sum(e.time[choice[e.src], choice[e.dst]] for e in prob.cg.edges))
+    memory = {c: float(sum(prob.memory[i][c][k] for i, k in enumerate(choice))) for c in CATEGORIES}
+    return {"compute": compute, "comm": local + edges, "step": compute + local + edges, "memory": memory}
+
+
+EXPLAINED_OPS = ("mm", "bmm", "addmm", "embedding", "_scaled_dot_product", "native_layer_norm", "_log_softmax")
+
+
+def _neighbour_time(prob: Problem, by_node: dict, i: int, k: int, choice: np.ndarray) -> float:
+    """Edge seconds around node i if it took strategy k and every other node kept its choice."""
+    t = 0.0
+    for e in by_node.get(i, ()):
+        a = k if e.src == i else choice[e.src]
+        b = k if e.dst == i else choice[e.dst]
+        t += e.time[a, b]
+    return float(t)
+
+
+def candidates(prob: Problem, choice: np.ndarray, budget: float | None) -> dict[str, list[dict]]:
+    """For parameters and the main ops: every candidate with compute, comm and memory if only this
+    node changed, and what ruled it out (slower by how much, or over the memory budget)."""
+    by_node: dict[int, list] = {}
+    for e in prob.cg.edges:
+        by_node.setdefault(e.src, []).append(e)
+        by_node.setdefault(e.dst, []).append(e)
+    total_mem = sum(float(prob.cg.nodes[i].memory[k]) for i, k in enumerate(choice))
+    out = {}
+    for i, node in enumerate(prob.nodes):
+        is_param = node.op == "placeholder" and node.meta.get("autopar_role") == "param"
+        if not is_param and not any(op in str(node.target) for op in EXPLAINED_OPS):
+            continue
+        rows = []
+        chosen_cost = None
+        for k, s in enumerate(prob.strategies[i]):
+            comm = float(prob.local_comm[i][k]) + _neighbour_time(prob, by_node, i, k, choice)
+            mem = float(prob.cg.nodes[i].memory[k])
+            row = {"strategy": str(s), "compute": float(prob.compute[i][k]), "comm": comm, "memory": mem,
+                   "chosen": bool(k == choice[i])}
+            rows.append(row)
+            if k == choice[i]:
+                chosen_cost, chosen_mem = row["compute"] + comm, mem
+        for row in rows:
+            if row["chosen"]:
+                row["verdict"] = "chosen"
+                continue
+            delta_t = row["compute"] + row["comm"] - chosen_cost
+            new_mem = total_mem - chosen_mem + row["memory"]
+            if not np.isfinite(delta_t):
+                row["verdict"] = "impossible with its neighbours' placements"
+            elif budget is not None and new_mem > budget:
+                row["verdict"] = f"over the memory budget by {new_mem - budget:.0f} B"
+            elif delta_t > 0:
+                row["verdict"] = f"slower by {delta_t:.3g} s"
+            else:
+                row["verdict"] = "no faster alone; the joint optimum keeps the neighbours consistent"
+        key = node.meta["autopar_name"] if is_param else node.name
+        out[key] = rows
+    return out

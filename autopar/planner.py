@@ -1,0 +1,144 @@
+"""`autopar.plan()`: model -> Plan. One straight list of named steps; each a function elsewhere."""
+from __future__ import annotations
+
+import hashlib
+import time
+import warnings
+from contextlib import contextmanager
+
+import numpy as np
+
+from autopar import assemble, recipes
+from autopar.canonicalize import canonicalize
+from autopar.capture import capture
+from autopar.costing import ProblemBuilder
+from autopar.costmodel.memory import format_bytes, parse_bytes
+from autopar.errors import InfeasiblePlanError, InputError, SolverTimeLimitWarning
+from autopar.mesh import Mesh
+from autopar.plan import Plan
+from autopar.solver import solve
+
+BASELINES = ("dp", "zero1", "zero2", "zero3", "tp")
+
+
+class _Timer(dict):
+    @contextmanager
+    def __call__(self, name):
+        start = time.perf_counter()
+        yield
+        self[name] = self.get(name, 0.0) + time.perf_counter() - start
+
+
+def plan(model, example_inputs, *, mesh, strategy="auto", memory_budget=None, optimizer="adamw", loss_fn=None,
+         time_limit=None, example_kwargs=None, **unsupported) -> Plan:
+    """Capture `model`'s training step, price every way to split it over `mesh`, and pick the fastest
+    that fits `memory_budget` bytes per device (int or "80GB"). One process, fake tensors."""
+    _reject_unsupported(unsupported)
+    mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
+    budget = parse_bytes(memory_budget) if memory_budget is not None else None
+    wanted = recipes.normalize(strategy, mesh)
+    timer = _Timer()
+    with timer("capture"):        # torch.export + joint trace on fake tensors
+        captured = capture(model, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn)
+    with timer("canonicalize"):   # addmm split, per-phase parameter views
+        canonicalize(captured.gm)
+    with timer("strategies+costs"):  # candidate placements per op, priced in seconds and bytes
+        prob = ProblemBuilder(captured, mesh, optimizer).build()
+        prob.cg.memory_budget = budget
+    with timer("baselines"):      # the textbook recipes under the same cost model
+        baselines, solutions = _baselines(prob, captured, mesh, time_limit)
+    with timer("solve"):          # the ILP over everything, warm-started from the best recipe
+        sol, reason = _solve_requested(prob, captured, mesh, wanted, solutions, time_limit)
+    return _assemble(prob, captured, mesh, strategy, wanted, budget, sol, reason, baselines, timer, model,
+                     example_inputs)
+
+
+def _reject_unsupported(kw: dict) -> None:
+    for key, value in kw.items():
+        if key in ("num_stages", "num_microbatches", "schedule") and value in (None, 1):
+            continue
+        if key == "mixed_precision" and value is None:
+            continue
+        raise InputError(f"plan() got an unsupported option {key}={value!r}")
+
+
+def _fixed(prob, captured, mesh, names) -> dict[int, list[int]] | None:
+    allowed = recipes.restriction(captured.gm, names, tuple(mesh.shape))
+    if allowed is None:
+        return None
+    fixed = {}
+    for i, (node, strats) in enumerate(zip(prob.nodes, prob.strategies)):
+        keep = allowed(node, strats)
+        if len(keep) < len(strats):
+            ids = {id(s): k for k, s in enumerate(strats)}
+            fixed[i] = sorted(ids[id(s)] for s in keep)
+    return fixed
+
+
+def _baselines(prob, captured, mesh, time_limit):
+    """Solve each forced recipe: its time and memory, or why it is infeasible."""
+    table, solutions = {}, {}
+    for name in BASELINES:
+        names = (name,) * mesh.ndim
+        fixed = _fixed(prob, captured, mesh, names)
+        try:
+            sol = solve(prob.cg, fixed=fixed, time_limit=time_limit)
+        except InfeasiblePlanError as e:
+            table[name] = {"feasible": False, "time": None, "memory": e.min_memory_per_device,
+                           "reason": f"needs {format_bytes(e.min_memory_per_device)} per device"}
+            continue
+        solutions[name] = (sol, fixed)
+        table[name] = {"feasible": True, "time": sol.time, "memory": sol.memory, "reason": ""}
+    return table, solutions
+
+
+def _solve_requested(prob, captured, mesh, wanted, solutions, time_limit):
+    if all(r == "auto" for r in wanted):
+        best = min((s for s, _ in solutions.values()), key=lambda s: s.time, default=None)
+        sol = solve(prob.cg, time_limit=time_limit, hint=best.choice if best is not None else None)
+        if best is not None and best.time < sol.time:  # never worse than a recipe it contains
+            sol = best
+        return sol, ""
+    fixed = _fixed(prob, captured, mesh, wanted)
+    try:
+        return solve(prob.cg, fixed=fixed, time_limit=time_limit), ""
+    except InfeasiblePlanError as e:
+        budget = prob.cg.memory_budget
+        prob.cg.memory_budget = None
+        sol = solve(prob.cg, fixed=fixed, time_limit=time_limit)
+        prob.cg.memory_budget = budget
+        reason = (f"strategy {'/'.join(wanted)} needs at least {format_bytes(e.min_memory_per_device)} per device; "
+                  f"the budget is {format_bytes(budget)} (over by {format_bytes(e.min_memory_per_device - budget)})")
+        return sol, reason
+
+
+def fingerprint(captured, mesh) -> str:
+    h = hashlib.sha256()
+    for node in captured.gm.graph.nodes:
+        v = node.meta.get("val")
+        shape = tuple(v.shape) if hasattr(v, "shape") else None
+        h.update(f"{node.op}|{node.target}|{shape}|{getattr(v, 'dtype', None)}|{node.meta.get('autopar_name', '')}\n"
+                 .encode())
+    h.update(mesh.fingerprint().encode())
+    return h.hexdigest()
+
+
+def _assemble(prob, captured, mesh, strategy, wanted, budget, sol, reason, baselines, timer, model, inputs) -> Plan:
+    tot = assemble.totals(prob, sol.choice)
+    if sol.status == "feasible":
+        warnings.warn(f"autopar: the solver stopped at its time limit; the plan is within {sol.gap:.1%} of optimal",
+                      SolverTimeLimitWarning, stacklevel=3)
+    timer["total"] = sum(timer.values())
+    return Plan(
+        mesh=mesh, strategy=strategy, recipes=wanted, feasible=not reason,
+        predicted_step_time=tot["step"], predicted_compute_time=tot["compute"], predicted_comm_time=tot["comm"],
+        memory_per_device=sum(tot["memory"].values()), memory_breakdown=tot["memory"], memory_budget=budget,
+        collectives=tuple(assemble.collectives(prob, sol.choice, captured)), gap=sol.gap,
+        params=assemble.param_placements(prob, sol.choice), nodes=assemble.node_choices(prob, sol.choice),
+        fingerprint=fingerprint(captured, mesh), infeasible_reason=reason, baselines=baselines,
+        solver={"backend": sol.backend, "status": sol.status, "seconds": sol.solve_seconds,
+                **{k: v for k, v in sol.stats.items() if isinstance(v, (int, float, str))}},
+        timings=dict(timer), candidates=assemble.candidates(prob, sol.choice, budget),
+        model={"name": type(model).__name__, "parameters": int(sum(np.prod(s) for s in captured.param_shapes.values())),
+               "inputs": [list(t.shape) for t in inputs if hasattr(t, "shape")], "tied": captured.tied},
+    )

@@ -1,0 +1,142 @@
+"""Compute cost: FLOPs and bytes of one ATen op call, priced by a roofline on a `HardwareSpec`.
+
+FLOPs come from `torch.utils.flop_counter.FlopCounterMode`: the op is re-run on meta tensors of the
+same shapes (no data, no device) and the result is cached by the call's signature, because a
+transformer repeats the same few shapes in every layer. Ops the counter does not know (elementwise,
+reductions, views) count 0 FLOPs: they are memory bound and priced by their bytes. Kernel launch
+overhead is not modelled (the graph's view ops would otherwise cost time they do not take).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from .hardware import HardwareSpec
+
+aten = torch.ops.aten
+
+
+def _bmm_flops(batch: int, m: int, k: int, n: int) -> int:
+    return 2 * batch * m * k * n
+
+
+def _attention_forward_flops(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
+    """q @ k^T then scores @ v, as torch's own sdpa formula (GQA: k/v heads broadcast to q's)."""
+    b, h, s_q, d_q = query_shape
+    s_k, d_v = key_shape[2], value_shape[3]
+    return _bmm_flops(b * h, s_q, d_q, s_k) + _bmm_flops(b * h, s_q, s_k, d_v)
+
+
+def _attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shape,
+                              *args, **kwargs) -> int:
+    """Recompute scores, then grad_scores, grad_v, grad_q, grad_k: five batched matmuls."""
+    b, h, s_q, d_q = query_shape
+    s_k, d_v = key_shape[2], value_shape[3]
+    return (_bmm_flops(b * h, s_q, d_q, s_k) + _bmm_flops(b * h, s_q, d_v, s_k)
+            + _bmm_flops(b * h, s_k, s_q, d_v) + _bmm_flops(b * h, s_q, s_k, d_q)
+            + _bmm_flops(b * h, d_q, s_q, s_k))
+
+
+# torch's flop counter has no entry for the CPU flash-attention kernels that torch.export emits on
+# CPU; give them the same formulas as the GPU attention kernels.
+_CUSTOM_FORMULAS: dict[Any, Callable[..., int]] = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _attention_forward_flops,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention_backward_flops,
+}
+_COUNTED_OPS = frozenset(
+    FlopCounterMode(display=False, custom_mapping=_CUSTOM_FORMULAS).flop_registry)
+_FLOP_CACHE: dict[tuple, float] = {}
+
+
+def op_time(flops: float, nbytes: float, hw: HardwareSpec, dtype: torch.dtype | str) -> float:
+    """Roofline seconds: the larger of compute time at achievable peak and memory-traffic time."""
+    compute = flops / (hw.flops(dtype_name(dtype)) * hw.compute_efficiency)
+    return max(compute, nbytes / hw.mem_bandwidth)
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """"float32" for torch.float32 (and for the string itself), the key of `peak_flops`."""
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+
+
+def is_flop_counted(target: Any) -> bool:
+    """True if `target` (an ATen OpOverload) has a FLOP formula; other ops are memory bound."""
+    return getattr(target, "overloadpacket", None) in _COUNTED_OPS
+
+
+def node_flops(target: Any, args: tuple, kwargs: dict | None = None, out: Any = None) -> float:
+    """FLOPs of one call `target(*args, **kwargs)`; args may be fake, meta or real tensors.
+
+    `out` is accepted so callers can pass a node's output alongside; the count needs only inputs.
+    """
+    if not is_flop_counted(target):
+        return 0.0
+    kwargs = kwargs or {}
+    key = (target, _signature(args), _signature(kwargs))
+    cached = _FLOP_CACHE.get(key)
+    if cached is None:
+        cached = _FLOP_CACHE[key] = _count_on_meta(target, args, kwargs)
+    return cached
+
+
+def _count_on_meta(target: Any, args: tuple, kwargs: dict) -> float:
+    meta_args, meta_kwargs = _to_meta(args), _to_meta(kwargs)
+    counter = FlopCounterMode(display=False, custom_mapping=_CUSTOM_FORMULAS)
+    try:
+        with counter:
+            target(*meta_args, **meta_kwargs)
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        warnings.warn(f"cannot count FLOPs of {target} on meta tensors ({e}); counting 0",
+                      RuntimeWarning, stacklevel=3)
+        return 0.0
+    return float(counter.get_total_flops())
+
+
+def node_bytes(args: Any, out: Any) -> float:
+    """Bytes read and written: the sizes of every tensor among the inputs and the outputs."""
+    tensors = [*_tensors(args), *_tensors(out)]
+    return float(sum(t.numel() * t.element_size() for t in tensors))
+
+
+def _tensors(x: Any):
+    """Every tensor inside nested lists, tuples and dicts."""
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for item in x:
+            yield from _tensors(item)
+    elif isinstance(x, dict):
+        for item in x.values():
+            yield from _tensors(item)
+
+
+def _signature(x: Any) -> Any:
+    """A hashable key standing for a call argument: tensors by shape, stride and dtype."""
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(int(s) for s in x.shape), tuple(int(s) for s in x.stride()), x.dtype)
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, tuple(_signature(item) for item in x))
+    if isinstance(x, dict):
+        return ("dict", tuple(sorted((k, _signature(v)) for k, v in x.items())))
+    if isinstance(x, float) and math.isnan(x):
+        return ("nan",)
+    try:
+        hash(x)
+    except TypeError:
+        return ("repr", repr(x))
+    return x
+
+
+def _to_meta(x: Any) -> Any:
+    """The same structure with every tensor replaced by an empty meta tensor of its layout."""
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device="meta")
+    if isinstance(x, (list, tuple)):
+        return (list if isinstance(x, list) else tuple)(_to_meta(item) for item in x)
+    if isinstance(x, dict):
+        return {k: _to_meta(v) for k, v in x.items()}
+    return x

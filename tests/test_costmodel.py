@@ -1,0 +1,224 @@
+"""Tests of autopar.costmodel: collective formulas, hardware profiles, FLOP counts, memory units."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import sympy as sp
+import torch
+
+from autopar.costmodel import comm, compute, hardware, memory
+from autopar.costmodel.hardware import HardwareSpec, LinkSpec, get_hardware
+from autopar.errors import HardwareError, InputError
+
+aten = torch.ops.aten
+LINK = LinkSpec(bandwidth=450e9, latency=5e-6)
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+
+# --- communication ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind, volume", [
+    ("all_reduce", lambda n: 2 * (n - 1) / n),
+    ("all_gather", lambda n: (n - 1) / n),
+    ("reduce_scatter", lambda n: (n - 1) / n),
+    ("all_to_all", lambda n: (n - 1) / n),
+    ("send_recv", lambda n: 1.0),
+])
+@pytest.mark.parametrize("n", [2, 4, 8, 64])
+def test_bytes_moved_are_textbook_volumes(kind, volume, n):
+    assert comm.collective_bytes_moved(kind, 1e6, n) == pytest.approx(volume(n) * 1e6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", [2, 3, 8, 1000])
+def test_fast_path_equals_sympy(kind, n):
+    nbytes, link = 12345678.0, LinkSpec(bandwidth=25e9, latency=7e-6)
+    s = comm.SYM_N, comm.SYM_B, comm.SYM_ALPHA, comm.SYM_BETA
+    exact = comm.formula(kind).subs(dict(zip(s, (n, nbytes, link.latency, link.bandwidth))))
+    assert comm.collective_time(kind, nbytes, n, link) == pytest.approx(float(exact), rel=1e-12)
+
+
+def test_all_reduce_closed_form_and_single_device():
+    t = comm.collective_time("all_reduce", 8e6, 4, LINK)
+    assert t == pytest.approx(2 * 3 / 4 * 8e6 / 450e9 + 2 * 3 * 5e-6)
+    for kind in KINDS:
+        assert comm.collective_time(kind, 8e6, 1, LINK) == 0.0
+        assert comm.collective_bytes_moved(kind, 8e6, 1) == 0.0
+
+
+def test_formulas_are_sympy_and_explain_prints_numbers():
+    assert isinstance(comm.formula("all_gather"), sp.Expr)
+    text = comm.explain("all_reduce", 4194304, 4, LINK)
+    assert text.startswith("all_reduce: 2·(n-1)/n·B/β + 2·(n-1)·α")
+    assert "4.19 MB" in text and "450 GB/s" in text and text.endswith("44.0 µs")
+
+
+def test_unknown_collective_and_bad_n():
+    with pytest.raises(ValueError, match="broadcast"):
+        comm.collective_time("broadcast", 1.0, 4, LINK)
+    with pytest.raises(ValueError):
+        comm.formula("gather")
+    with pytest.raises(ValueError):
+        comm.collective_time("all_reduce", 1.0, 0, LINK)
+
+
+def test_calibrated_collective_link_overrides_generic():
+    fit = LinkSpec(bandwidth=100e9, latency=20e-6)
+    hw = dataclasses.replace(hardware.H100, name="h100-fit", collectives={"intra": {"all_reduce": fit}})
+    t = comm.hardware_collective_time("all_reduce", 1e6, 8, hw, "intra")
+    assert t == comm.collective_time("all_reduce", 1e6, 8, fit)
+    assert comm.hardware_collective_time("all_gather", 1e6, 8, hw, "intra") == \
+        comm.collective_time("all_gather", 1e6, 8, hw.intra_node)
+
+
+# --- hardware -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["cpu", "a100", "H100", "h200"])
+def test_presets_load(name):
+    hw = get_hardware(name)
+    assert hw.name == name.lower() and hw.intra_node.bandwidth > 0
+    assert get_hardware(hw) is hw
+
+
+def test_preset_figures():
+    assert hardware.A100.peak_flops["bfloat16"] == 312e12
+    assert hardware.H100.intra_node.bandwidth == 450e9 and hardware.H100.inter_node.bandwidth == 50e9
+    assert hardware.H200.mem_capacity == 141e9 and hardware.H200.mem_bandwidth == 4.8e12
+    assert hardware.CPU.devices_per_node is None
+
+
+def test_int_and_float_figures_hash_alike():
+    as_ints = dataclasses.replace(hardware.A100, mem_capacity=80_000_000_000,
+                                  intra_node=LinkSpec(bandwidth=300_000_000_000, latency=5e-6))
+    assert as_ints == hardware.A100 and hash(as_ints) == hash(hardware.A100)
+
+
+def test_unknown_preset_lists_valid_names():
+    with pytest.raises(HardwareError, match="a100.*h100"):
+        get_hardware("v100")
+
+
+def test_json_round_trip(tmp_path):
+    hw = dataclasses.replace(hardware.A100, name="a100-calibrated",
+                             collectives={"inter": {"all_reduce": LinkSpec(20e9, 12e-6)}})
+    assert HardwareSpec.from_json(hw.to_json()) == hw
+    assert HardwareSpec.from_json(json.dumps(hw.to_json())) == hw
+    path = tmp_path / "cluster.json"
+    hw.save(path)
+    loaded = get_hardware(path)
+    assert loaded == hw and hash(loaded) == hash(hw) and loaded.fingerprint() == hw.fingerprint()
+    assert get_hardware(str(path)) == hw
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.pop("mem_bandwidth"), "mem_bandwidth"),
+    (lambda d: d.update(mem_capacity="80GB"), "mem_capacity"),
+    (lambda d: d.update(intra_node={"bandwidth": 1e9}), "intra_node"),
+    (lambda d: d["inter_node"].update(latency=-1.0), "latency"),
+    (lambda d: d.update(peak_flops={"bfloat16": 1e12}), "peak_flops"),
+    (lambda d: d.update(devices_per_node=0), "devices_per_node"),
+    (lambda d: d.update(collectives={"intra": {"gossip": {"bandwidth": 1.0, "latency": 0.0}}}),
+     "collectives"),
+    (lambda d: d.update(bandwith=1.0), "unknown field"),
+])
+def test_bad_profile_names_the_field(tmp_path, edit, message):
+    data = hardware.H100.to_json()
+    edit(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(HardwareError, match=message):
+        get_hardware(path)
+
+
+def test_corrupt_profile(tmp_path):
+    path = tmp_path / "corrupt.json"
+    path.write_text('{"name": "x", "peak_flops": ')
+    with pytest.raises(HardwareError, match="not valid JSON"):
+        get_hardware(path)
+    path.write_text("[1, 2]")
+    with pytest.raises(HardwareError, match="JSON object"):
+        get_hardware(path)
+
+
+# --- compute ------------------------------------------------------------------------------------
+
+def test_mm_addmm_bmm_flops():
+    m, k, n = 8, 16, 32
+    a, b = torch.empty(m, k, device="meta"), torch.empty(k, n, device="meta")
+    assert compute.node_flops(aten.mm.default, (a, b)) == 2 * m * k * n
+    assert compute.node_flops(aten.addmm.default, (torch.empty(n), a, b)) == 2 * m * k * n
+    x, y = torch.empty(3, m, k), torch.empty(3, k, n)
+    assert compute.node_flops(aten.bmm.default, (x, y)) == 3 * 2 * m * k * n
+
+
+def test_sdpa_flops_cpu_and_efficient_kernels_agree():
+    b, h, s, d = 2, 4, 16, 8
+    q = torch.empty(b, h, s, d, device="meta")
+    forward = 4 * b * h * s * s * d                  # q @ k^T and scores @ v
+    cpu = compute.node_flops(aten._scaled_dot_product_flash_attention_for_cpu.default,
+                             (q, q, q, 0.0, True))
+    eff = compute.node_flops(aten._scaled_dot_product_efficient_attention.default,
+                             (q, q, q, None, True))
+    assert cpu == eff == forward
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(q, q, q, 0.0, True)
+    backward = compute.node_flops(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                                  (q, q, q, q, out, lse, 0.0, True))
+    assert backward == pytest.approx(2.5 * forward)
+
+
+def test_memory_bound_ops_count_zero_and_bytes():
+    a = torch.empty(4, 8)
+    assert compute.node_flops(aten.add.Tensor, (a, a), {}, a) == 0.0
+    assert compute.node_flops(len, (a,)) == 0.0
+    assert compute.node_bytes((a, [a, 2.0]), (a,)) == 3 * (4 * 8 * 4)   # two reads, one write
+
+
+def test_roofline():
+    hw = hardware.H100
+    flops, nbytes = 2 * 4096**3, 3 * 4096**2 * 2
+    assert compute.op_time(flops, nbytes, hw, torch.bfloat16) == pytest.approx(flops / (989e12 * 0.6))
+    assert compute.op_time(0.0, 1e9, hw, torch.float32) == pytest.approx(1e9 / 3.35e12)
+    assert compute.op_time(1e12, 0.0, hw, torch.int64) == pytest.approx(1e12 / (67e12 * 0.6))
+
+
+# --- memory -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("80GB", 80 * 10**9), ("80GiB", 80 * 2**30), ("512MB", 512 * 10**6), ("1.5TB", 15 * 10**11),
+    ("80 gb", 80 * 10**9), ("1024", 1024), (1e9, 10**9), (4096, 4096), ("2e3KiB", 2000 * 1024),
+])
+def test_parse_bytes(text, expected):
+    assert memory.parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["80 GBs", "lots", "", "-1GB", -5, True, None, "80Gb/s"])
+def test_parse_bytes_rejects_with_example(bad):
+    with pytest.raises(InputError, match="80GB"):
+        memory.parse_bytes(bad)
+
+
+def test_format_bytes_and_seconds():
+    assert memory.format_bytes(4194304) == "4.19 MB"
+    assert memory.format_bytes(999_999) == "1.00 MB"
+    assert memory.format_bytes(12) == "12 B"
+    assert memory.format_seconds(0.0123) == "12.3 ms"
+    assert memory.format_seconds(450e-6) == "450 µs"
+    assert memory.format_seconds(1.2) == "1.20 s"
+
+
+def test_optimizer_state_bytes():
+    osb = memory.optimizer_state_bytes_per_param
+    assert osb("adamw", torch.float32) == osb("Adam", torch.bfloat16) == 8
+    assert osb("sgd", torch.float32) == 0
+    assert osb("sgd_momentum", torch.float32) == osb("momentum", torch.float16) == 4
+    assert osb("adamw", torch.bfloat16, master_weights=True) == 12
+    assert osb("adamw", torch.float64) == 16
+    assert osb(6, torch.float32) == 6.0
+    with pytest.raises(InputError, match="adamw"):
+        osb("adamx", torch.float32)
+    with pytest.raises(InputError):
+        osb(-1, torch.float32)
+    assert math.isfinite(osb("adafactor", torch.float32))
