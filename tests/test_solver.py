@@ -1,0 +1,210 @@
+"""Solver tests: ILP/DP optimum equals brute force on tiny random graphs, infeasibility, dedup, determinism."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from autopar.costgraph import CostEdge, CostGraph, CostNode
+from autopar.dp_oracle import brute_force, variable_elimination
+from autopar.errors import InfeasiblePlanError
+from autopar.simplify import from_costgraph, quotient_layers, restore, simplify
+from autopar.solver import evaluate, min_memory, restrict, solve
+
+GB = 1e9
+
+
+def random_graph(seed: int, *, inf_rate: float = 0.1, budget_quantile: float | None = None) -> CostGraph:
+    """3-8 nodes, 2-4 strategies, random DAG edges (some parallel), some forbidden pairs."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(3, 9))
+    ks = rng.integers(2, 5, size=n)
+    nodes = [CostNode(f"n{i}", rng.uniform(0, 1, k).round(3),
+                      rng.integers(0, 4, k) * 0.5 * GB * (rng.random() < 0.7)) for i, k in enumerate(ks)]
+    edges = []
+    for v in range(1, n):
+        for u in range(v):
+            if rng.random() < (0.7 if u == v - 1 else 0.25):
+                r = rng.uniform(0, 1, (ks[u], ks[v])).round(3)
+                r[rng.random(r.shape) < inf_rate] = np.inf
+                edges.append(CostEdge(u, v, r))
+    if edges and rng.random() < 0.3:
+        e = edges[0]
+        edges.append(CostEdge(e.src, e.dst, rng.uniform(0, 1, e.time.shape)))
+    cg = CostGraph(nodes, edges, memory_offset=0.25 * GB)
+    if budget_quantile is not None:
+        sizes = [nd.memory for nd in nodes]
+        lo = cg.memory_offset + sum(s.min() for s in sizes)
+        hi = cg.memory_offset + sum(s.max() for s in sizes)
+        cg.memory_budget = lo + budget_quantile * (hi - lo) + 0.1 * GB
+    return cg
+
+
+def _brute_or_none(cg):
+    try:
+        return brute_force(cg)
+    except InfeasiblePlanError:
+        return None
+
+
+@pytest.mark.parametrize("backend", ["auto", "highs", "cpsat"])
+@pytest.mark.parametrize("quantile", [None, 0.2, 0.5])
+def test_optimum_equals_brute_force(backend, quantile):
+    for seed in range(12 if backend == "auto" else 5):
+        cg = random_graph(seed, budget_quantile=quantile)
+        ref = _brute_or_none(cg)
+        if ref is None:
+            with pytest.raises(InfeasiblePlanError):
+                solve(cg, backend=backend)
+            continue
+        sol = solve(cg, backend=backend, mip_gap=1e-9)
+        assert sol.status == "optimal", (seed, sol)
+        assert sol.time == pytest.approx(ref.time, rel=1e-6, abs=1e-9), seed
+        assert (sol.time, sol.memory) == evaluate(cg, sol.choice)
+        if cg.memory_budget is not None:
+            assert sol.memory <= cg.memory_budget
+
+
+def test_infeasible_budget_reports_min_memory():
+    cg = random_graph(3, inf_rate=0.0)
+    least = min_memory(cg)
+    cg.memory_budget = least - 0.01 * GB
+    with pytest.raises(InfeasiblePlanError) as info:
+        solve(cg)
+    assert info.value.min_memory_per_device == pytest.approx(least)
+    assert "GB" in str(info.value) and f"{least / GB:.3f}" in str(info.value)
+    cg.memory_budget = least
+    assert solve(cg).memory <= least
+
+
+def test_all_forbidden_raises():
+    cg = CostGraph([CostNode("a", np.zeros(2), np.zeros(2)), CostNode("b", np.zeros(2), np.zeros(2))],
+                   [CostEdge(0, 1, np.array([[np.inf, 1.0], [np.inf, np.inf]])),
+                    CostEdge(0, 1, np.array([[0.0, np.inf], [0.0, 0.0]]))])
+    with pytest.raises(InfeasiblePlanError) as info:
+        solve(cg)
+    assert math.isinf(info.value.min_memory_per_device)
+
+
+def test_min_memory_matches_brute_force():
+    for seed in range(10):
+        cg = random_graph(seed)
+        p = from_costgraph(cg)
+        allowed = []
+        for combo in np.ndindex(*[len(nd.time) for nd in cg.nodes]):
+            if math.isfinite(p.evaluate(combo)[0]):
+                allowed.append(p.evaluate(combo)[1])
+        expected = min(allowed) if allowed else math.inf
+        assert min_memory(cg) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("quantile", [None, 0.3])
+def test_simplify_preserves_optimum(quantile):
+    for seed in range(20):
+        cg = random_graph(seed, budget_quantile=quantile)
+        ref = _brute_or_none(cg)
+        p = from_costgraph(cg)
+        q = p.copy()
+        records = simplify(q)
+        # brute-force the reduced problem, then restore: must reach the full optimum
+        best = (math.inf, None)
+        for combo in np.ndindex(*[len(q.time[i]) for i in sorted(q.time)]):
+            choice = dict(zip(sorted(q.time), combo))
+            t, m = q.evaluate(choice)
+            if m <= (q.budget if q.budget is not None else math.inf) and t < best[0]:
+                best = (t, choice)
+        if ref is None:
+            assert best[1] is None
+            continue
+        full = restore(records, dict(best[1]))
+        t, m = p.evaluate(full)
+        assert t == pytest.approx(ref.time, rel=1e-9) and best[0] == pytest.approx(t, rel=1e-9)
+        assert cg.memory_budget is None or m <= cg.memory_budget
+
+
+def test_variable_elimination_is_exact():
+    for seed in range(10):
+        cg = random_graph(seed)
+        ref = _brute_or_none(cg)
+        p = from_costgraph(cg)
+        choice, value = variable_elimination(p.time, p.edges)
+        if ref is None:
+            assert math.isinf(value)
+        else:
+            assert value == pytest.approx(ref.time) and p.evaluate(choice)[0] == pytest.approx(value)
+
+
+def layered_graph(num_layers: int, seed: int = 0, budget: float | None = None) -> CostGraph:
+    """Identical layers of 5 ops (chain + a residual skip), between an input and an output node."""
+    rng = np.random.default_rng(seed)
+    ks = [3, 4, 3, 2, 3]
+    node_t = [rng.uniform(0, 1, k) for k in ks]
+    node_m = [rng.integers(0, 3, k) * 0.1 * GB for k in ks]
+    intra = {(j, j + 1): rng.uniform(0, 1, (ks[j], ks[j + 1])) for j in range(4)}
+    intra[(0, 4)] = rng.uniform(0, 0.5, (ks[0], ks[4]))
+    boundary = rng.uniform(0, 1, (ks[4], ks[0]))
+    nodes = [CostNode("in", rng.uniform(0, 1, 3), np.zeros(3))]
+    edges, layers = [], []
+    for layer in range(num_layers):
+        base = len(nodes)
+        nodes += [CostNode(f"l{layer}.op{j}", node_t[j], node_m[j]) for j in range(5)]
+        layers.append(list(range(base, base + 5)))
+        edges += [CostEdge(base + a, base + b, r) for (a, b), r in intra.items()]
+        src, mat = (0, rng.uniform(0, 1, (3, ks[0]))) if layer == 0 else (base - 1, boundary)
+        edges.append(CostEdge(src, base, mat))
+    nodes.append(CostNode("out", rng.uniform(0, 1, 2), np.zeros(2)))
+    edges.append(CostEdge(len(nodes) - 2, len(nodes) - 1, rng.uniform(0, 1, (ks[4], 2))))
+    return CostGraph(nodes, edges, budget, 0.0, [layers])
+
+
+@pytest.mark.parametrize("budget", [None, 2.2 * GB])
+def test_dedup_layers_within_one_percent(budget):
+    cg = layered_graph(6, budget=budget)
+    full = solve(cg)
+    tiled = solve(cg, dedup_layers=True)
+    assert tiled.stats["quotient_nodes"] == 7
+    assert tiled.time <= full.time * 1.01
+    assert (tiled.time, tiled.memory) == evaluate(cg, tiled.choice)
+    assert budget is None or tiled.memory <= budget
+    choice = tiled.choice[1:-1].reshape(6, 5)
+    assert (choice == choice[0]).all()
+
+
+def test_quotient_memory_is_layers_times_per_layer():
+    cg = layered_graph(4)
+    q, rep = quotient_layers(cg)
+    assert len(q.nodes) == 7 and rep[1] == rep[6] == rep[11] == 1
+    assert np.allclose(q.nodes[1].memory, 4 * cg.nodes[1].memory)
+
+
+def test_deterministic():
+    cg = layered_graph(8, seed=1, budget=3.0 * GB)
+    a, b = solve(cg, backend="highs"), solve(cg, backend="highs")
+    assert a.choice.tobytes() == b.choice.tobytes() and a.time == b.time
+    c, d = solve(cg), solve(cg)
+    assert c.choice.tobytes() == d.choice.tobytes()
+
+
+def test_time_limit_returns_a_plan():
+    cg = layered_graph(10, seed=2, budget=3.5 * GB)
+    sol = solve(cg, time_limit=0.001)
+    assert sol.status in ("optimal", "feasible", "fallback")
+    assert sol.memory <= cg.memory_budget and math.isfinite(sol.gap)
+
+
+def test_fixed_and_restrict():
+    cg = random_graph(5, inf_rate=0.0)
+    sol = solve(cg, fixed={0: [1], 2: [0, 1]})
+    assert sol.choice[0] == 1 and sol.choice[2] in (0, 1)
+    small, maps = restrict(cg, {0: [1], 2: [0, 1]})
+    sub = solve(small)
+    assert sub.time == pytest.approx(sol.time)
+    assert maps[0][sub.choice[0]] == 1
+
+
+def test_hint_is_used_as_fallback():
+    cg = layered_graph(3, seed=3)
+    best = solve(cg)
+    again = solve(cg, hint=best.choice, backend="highs")
+    assert again.time == pytest.approx(best.time)
