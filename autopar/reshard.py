@@ -21,7 +21,7 @@ from functools import lru_cache
 
 from autopar.costmodel.comm import collective_time
 from autopar.costmodel.hardware import LinkSpec
-from autopar.placement import Spec, is_partial, is_shard, local_fraction
+from autopar.placement import R, Spec, is_partial, is_shard, local_fraction
 
 BUCKET_BYTES = 25 * 2**20
 LAUNCH_FRACTION = 0.1
@@ -53,17 +53,45 @@ def axis_step(src, dst, axis: int, nbytes: float, n: int) -> Step | None:
     return Step("all_gather" if is_shard(src) else "all_reduce", axis, nbytes)
 
 
+def _nested(spec: Spec) -> bool:
+    dims = [p.dim for p in spec if is_shard(p)]
+    return len(dims) != len(set(dims))
+
+
+def transitions(src: Spec, dst: Spec) -> list[tuple[int, object, object]]:
+    """The per-axis moves (axis, from, to) that take `src` to `dst`, in execution order.
+
+    Without a dim sharded on two axes, axes move independently in mesh order. With nesting (a dim
+    split on axis 0, then again on axis 1), shards are nested in axis order, so from the first axis
+    that changes on, shards are gathered innermost first and then re-split outermost first.
+    """
+    if not (_nested(src) or _nested(dst)):
+        return [(a, s, d) for a, (s, d) in enumerate(zip(src, dst)) if s != d]
+    first = next(a for a in range(len(src)) if src[a] != dst[a])
+    moves, current = [], list(src)
+    for a in reversed(range(first, len(src))):
+        if is_shard(current[a]) or (is_partial(current[a]) and current[a] != dst[a]):
+            moves.append((a, current[a], R))
+            current[a] = R
+    for a in range(first, len(src)):
+        if current[a] != dst[a]:
+            moves.append((a, current[a], dst[a]))
+            current[a] = dst[a]
+    return moves
+
+
 def steps(src: Spec, dst: Spec, nbytes: float, axis_sizes: tuple[int, ...]) -> list[Step]:
     """Collectives that turn a tensor of `nbytes` global bytes from spec `src` into `dst`."""
     out = []
     current = list(src)
-    for axis, n in enumerate(axis_sizes):
+    for axis, frm, to in transitions(src, dst):
+        n = axis_sizes[axis]
         held = nbytes * local_fraction(tuple(p for a, p in enumerate(current) if a != axis),
                                        tuple(m for a, m in enumerate(axis_sizes) if a != axis))
-        step = axis_step(current[axis], dst[axis], axis, held, n)
+        step = axis_step(frm, to, axis, held, n)
         if step is not None:
             out.append(step)
-        current[axis] = dst[axis]
+        current[axis] = to
     return out
 
 

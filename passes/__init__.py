@@ -1,0 +1,59 @@
+"""Rewrite passes: a Plan applied to the joint graph, ending in one per-rank program.
+
+Each pass is `name_pass(gm, ctx) -> gm` in its own file. `run_passes` applies them in order, times
+each, checks the IR invariants after each when `verify=True` (always in tests), writes the graph
+before/after each pass to $AUTOPAR_DUMP_DIR when set, and skips passes named in `ctx.disabled`
+(debugging only: a skipped pass leaves the program wrong). The invariants are in `autopar/ir.py`.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch.fx as fx
+
+from .apply_plan import apply_plan_pass
+from .context import PassContext
+from .insert_redistribute import insert_redistribute_pass
+from .localize_shapes import localize_shapes_pass
+from .lower_collectives import lower_collectives_pass
+
+PIPELINE = (
+    ("apply_plan", apply_plan_pass),                    # plan -> node.meta specs
+    ("insert_redistribute", insert_redistribute_pass),  # abstract redistribute at every mismatch
+    ("lower_collectives", lower_collectives_pass),      # redistribute -> functional collectives
+    ("localize_shapes", localize_shapes_pass),          # global size arguments -> local
+)
+
+
+def describe() -> str:
+    return "\n".join(f"{i}. {name}" for i, (name, _) in enumerate(PIPELINE, start=1))
+
+
+def run_passes(gm: fx.GraphModule, ctx: PassContext, *, verify: bool = False) -> fx.GraphModule:
+    from autopar.ir import verify as verify_ir
+    dump = os.environ.get("AUTOPAR_DUMP_DIR")
+    for i, (name, fn) in enumerate(PIPELINE, start=1):
+        if name in ctx.disabled:
+            continue
+        if dump:
+            _dump(dump, f"{i:02d}_{name}_before.py", gm)
+        start = time.perf_counter()
+        gm = fn(gm, ctx)
+        ctx.timings[name] = time.perf_counter() - start
+        if dump:
+            _dump(dump, f"{i:02d}_{name}_after.py", gm)
+        if verify:
+            verify_ir(gm, name, ctx)
+    return gm
+
+
+def _dump(folder: str, fname: str, gm: fx.GraphModule) -> None:
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / fname).write_text(gm.code)
+
+
+__all__ = ["PIPELINE", "PassContext", "run_passes", "describe", "apply_plan_pass", "insert_redistribute_pass",
+           "lower_collectives_pass", "localize_shapes_pass"]

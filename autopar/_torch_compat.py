@@ -1,0 +1,56 @@
+"""The one place where autopar touches private or unstable torch APIs.
+
+Every other module imports these helpers instead of reaching into `torch._*` itself, so a torch
+upgrade that moves an internal has one file to fix. Keep it small: thin wrappers only, no logic.
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+import torch.fx
+import torch.fx.traceback as fx_traceback
+from torch._decomp import core_aten_decompositions
+from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+__all__ = [
+    "FakeTensor",
+    "FakeTensorMode",
+    "export_graph",
+    "trace_joint",
+    "tag_backward_nodes",
+    "core_decompositions",
+]
+
+
+def export_graph(module: torch.nn.Module, args: tuple) -> torch.fx.GraphModule:
+    """Non-strict `torch.export` of `module(*args)`; returns the ATen training-IR GraphModule whose
+    parameters and buffers are attributes and whose placeholders are `args`, flat."""
+    ep = torch.export.export(module, args, strict=False)
+    return ep.module()
+
+
+def core_decompositions() -> Mapping:
+    """The core-ATen decomposition table (what `ep.run_decompositions()` would use), minus the
+    fused attention kernels: their decompositions return the attention weights where the
+    backward kernel expects the logsumexp (wrong gradients), and the planner wants them fused."""
+    return {op: fn for op, fn in core_aten_decompositions().items()
+            if not op.name().startswith("aten::_scaled_dot_product_")}
+
+
+def trace_joint(fn: Callable, flat_args: list, decompose: bool) -> torch.fx.GraphModule:
+    """Trace `fn(*flat_args)` (fake tensors) to an ATen graph with mutations functionalized but
+    views kept (plain view/permute/slice, not *_copy), keeping node meta set by an Interpreter."""
+    table = core_decompositions() if decompose else None
+    functional = torch.func.functionalize(fn, remove="mutations")
+    with fx_traceback.preserve_node_meta():
+        return make_fx(functional, decomposition_table=table, tracing_mode="fake")(*flat_args)
+
+
+def tag_backward_nodes(loss: torch.Tensor) -> None:
+    """Hook `loss`'s autograd graph so that each backward op traced later carries the `seq_nr`
+    (and stack trace) of the forward op it differentiates, as aot_autograd does."""
+    if loss.grad_fn is not None:
+        setup_stacktrace_preservation_hooks([loss.grad_fn])

@@ -1,0 +1,432 @@
+"""Capture: an unmodified model and example inputs -> one joint forward+backward ATen graph.
+
+Steps (each a function below):
+  1. check the inputs and name them from the model's `forward` signature;
+  2. wrap the model so it returns a scalar loss (`.loss`, `["loss"]`, `[0]`, or `loss_fn`);
+  3. `torch.export` (non-strict) the wrapper: gets past Python control flow in HF mask code;
+  4. retrace the exported graph under `grad_and_value` + `functionalize` with `make_fx`, on fake
+     tensors (meta parameters are treated as CPU ones, so nothing is allocated and kernel choice
+     such as CPU flash attention matches a real run), decomposing to core ATen;
+  5. flatten inputs/outputs and annotate every node (role, phase, module path).
+
+The result, `Captured.gm`, is called as `gm(*params, *buffers, *inputs) -> (loss, *grads)`; a
+model that updates buffers (BatchNorm) gets `copy_` nodes into the buffer placeholders. Factory
+ops of a meta-device model are retargeted to CPU, so the graph runs on real CPU tensors.
+
+Node meta written here (the capture stage's invariants):
+  every node:         meta["val"]  FakeTensor / tuple of them / python scalar
+  placeholders:       meta["autopar_role"] in {"param", "buffer", "input"}, meta["autopar_name"]
+  call_function:      meta["phase"] in {"forward", "backward"} (forward = ancestors of the loss, plus
+                      the other outputs of a forward op, like saved statistics),
+                      meta["module_path"]: FQN of the innermost user module ("" if unknown); a
+                      backward node takes the path of the forward op it differentiates (seq_nr).
+"""
+from __future__ import annotations
+
+import inspect
+import linecache
+import logging
+import operator
+import os
+import sys
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx
+import torch.nn as nn
+
+from autopar import _torch_compat as compat
+from autopar.errors import InputError, NoLossError, TraceError
+
+log = logging.getLogger(__name__)
+_PREFIX = "model."          # the wrapper's attribute name, stripped from every FQN
+_MM_OPS = ("mm", "addmm", "bmm", "baddbmm")
+
+
+@dataclass
+class Captured:
+    """A joint forward+backward graph and the names of its inputs and outputs."""
+
+    gm: torch.fx.GraphModule
+    param_names: list[str]
+    tied: dict[str, list[str]]
+    buffer_names: list[str]
+    input_names: list[str]
+    grad_param_names: list[str]
+    unused_params: list[str]
+    param_shapes: dict[str, torch.Size] = field(default_factory=dict)
+    param_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+
+    @property
+    def output_nodes(self) -> tuple:
+        return tuple(self.gm.graph.output_node().args[0])
+
+    @property
+    def loss_node(self) -> torch.fx.Node:
+        return self.output_nodes[0]
+
+    @property
+    def grad_nodes(self) -> dict[str, torch.fx.Node]:
+        return dict(zip(self.grad_param_names, self.output_nodes[1:]))
+
+    def placeholders(self, role: str | None = None) -> list[torch.fx.Node]:
+        """Placeholder nodes in call order, optionally only those of one role."""
+        nodes = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        return [n for n in nodes if role is None or n.meta["autopar_role"] == role]
+
+    def summary(self) -> dict[str, int]:
+        """Counts: nodes, ops per phase, matmuls, parameters and their elements."""
+        calls = [n for n in self.gm.graph.nodes if n.op == "call_function"]
+        phases = Counter(n.meta["phase"] for n in calls)
+        return {
+            "nodes": len(self.gm.graph.nodes),
+            "ops": len(calls),
+            "forward_ops": phases["forward"],
+            "backward_ops": phases["backward"],
+            "matmuls": sum(1 for n in calls if _op_name(n) in _MM_OPS),
+            "params": len(self.param_names),
+            "param_numel": sum(s.numel() for s in self.param_shapes.values()),
+            "buffers": len(self.buffer_names),
+            "inputs": len(self.input_names),
+            "tied": sum(len(v) for v in self.tied.values()),
+            "unused_params": len(self.unused_params),
+        }
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: tuple,
+    *,
+    example_kwargs: dict | None = None,
+    loss_fn: Callable | None = None,
+    decompose: bool = True,
+) -> Captured:
+    """Capture one training step of `model` as a joint forward+backward ATen graph.
+
+    `example_inputs` is a tuple of tensors passed positionally (a trailing dict is taken as keyword
+    arguments, like `example_kwargs`). The model must return a scalar loss (a tensor, an object
+    with `.loss`, a dict with "loss" or a tuple whose first item is the loss) or `loss_fn(output,
+    *example_inputs)` must compute it. Parameters may live on the meta device: nothing is allocated.
+    """
+    start = time.perf_counter()
+    args, kwargs = _check_inputs(example_inputs, example_kwargs)          # 1. validate, name
+    input_names, flat_inputs, call = _bind_inputs(model, args, kwargs)
+    params, tied = _unique_tensors(model.named_parameters(remove_duplicate=False))
+    buffers, buffer_ties = _unique_tensors(model.named_buffers(remove_duplicate=False))
+    wrapper = _LossModule(model, call, loss_fn, len(args))                # 2. model -> loss
+    exported = _traced(lambda: compat.export_graph(wrapper, tuple(flat_inputs)))  # 3. export
+    _retarget_meta_to_cpu(exported)
+    exported_at = time.perf_counter()
+    grad_names = [n for n, p in params.items() if p.requires_grad and p.is_floating_point()]
+    aliases = {**_alias_map(tied), **_alias_map(buffer_ties)}
+    joint = _JointStep(exported, list(params), list(buffers), grad_names, aliases)
+    mode = compat.FakeTensorMode(allow_non_fake_inputs=True)              # tensor constants stay real
+    flat = [_to_fake(t, mode) for t in [*params.values(), *buffers.values(), *flat_inputs]]
+    gm = _traced(lambda: compat.trace_joint(joint, flat, decompose))      # 4. joint fwd+bwd
+    _flatten_and_clean(gm)                                                # 5. flat I/O, node meta
+    names = [*params, *buffers, *input_names]
+    roles = ["param"] * len(params) + ["buffer"] * len(buffers) + ["input"] * len(input_names)
+    _annotate(gm, names, roles)
+    used = _params_used_in_forward(gm)
+    log.info("capture: export %.2f s, joint trace %.2f s, %d nodes", exported_at - start,
+             time.perf_counter() - exported_at, len(gm.graph.nodes))
+    return Captured(
+        gm=gm, param_names=list(params), tied=tied, buffer_names=list(buffers),
+        input_names=input_names, grad_param_names=grad_names,
+        unused_params=[n for n in params if n not in used],
+        param_shapes={n: p.shape for n, p in params.items()},
+        param_dtypes={n: p.dtype for n, p in params.items()},
+    )
+
+
+# ---------------------------------------------------------------- 1. inputs and names
+
+def _check_inputs(example_inputs: Any, example_kwargs: Any) -> tuple[tuple, dict]:
+    if not isinstance(example_inputs, tuple):
+        raise InputError(
+            f"example_inputs must be a tuple of tensors, got {type(example_inputs).__name__}; "
+            "wrap a single input as (x,)")
+    args, kwargs = example_inputs, dict(example_kwargs or {})
+    if args and isinstance(args[-1], dict):
+        args, kwargs = args[:-1], {**args[-1], **kwargs}
+    for i, a in enumerate(args):
+        if not isinstance(a, torch.Tensor):
+            raise InputError(
+                f"example_inputs[{i}] is a {type(a).__name__}; expected a torch.Tensor "
+                "(pass keyword arguments and non-tensor options in example_kwargs)")
+    if not isinstance(example_kwargs, (dict, type(None))):
+        raise InputError(f"example_kwargs must be a dict, got {type(example_kwargs).__name__}")
+    return args, kwargs
+
+
+def _bind_inputs(model: nn.Module, args: tuple, kwargs: dict) -> tuple[list[str], list, Callable]:
+    """Name each tensor input after the forward parameter it binds to; return the names, the
+    tensors (flat, in order) and `call(*flat) -> model output` that rebuilds args and kwargs."""
+    sig = inspect.signature(model.forward)
+    if "use_cache" in sig.parameters and "use_cache" not in kwargs:
+        kwargs = {**kwargs, "use_cache": False}
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise InputError(f"example inputs do not match {type(model).__name__}.forward{sig}: {e}") from None
+    positional = [p.name for p in sig.parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    tensor_keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    names = [positional[i] if i < len(positional) else f"args_{i}" for i in range(len(args))]
+    flat = [*args, *(kwargs[k] for k in tensor_keys)]
+    num_args = len(args)
+
+    def call(*tensors: torch.Tensor) -> Any:
+        kw = {**kwargs, **dict(zip(tensor_keys, tensors[num_args:]))}
+        return model(*tensors[:num_args], **kw)
+
+    return names + tensor_keys, flat, call
+
+
+def _unique_tensors(named: Any) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+    """Deduplicate shared tensors: canonical name (first seen) -> tensor, and canonical -> others."""
+    by_id: dict[int, str] = {}
+    unique: dict[str, torch.Tensor] = {}
+    tied: dict[str, list[str]] = {}
+    for name, t in named:
+        canonical = by_id.setdefault(id(t), name)
+        if canonical == name:
+            unique[name] = t
+        else:
+            tied.setdefault(canonical, []).append(name)
+    return unique, tied
+
+
+def _alias_map(tied: dict[str, list[str]]) -> dict[str, str]:
+    return {alias: canonical for canonical, others in tied.items() for alias in others}
+
+
+def _to_fake(t: torch.Tensor, mode: compat.FakeTensorMode) -> torch.Tensor:
+    """A fake copy of `t`; a meta tensor becomes a fake CPU tensor (no storage either way)."""
+    if t.is_meta:
+        with mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    return mode.from_tensor(t.detach())
+
+
+# ---------------------------------------------------------------- 2. the loss wrapper
+
+class _LossModule(nn.Module):
+    """Calls the user's model on flat tensors and returns its scalar loss."""
+
+    def __init__(self, model: nn.Module, call: Callable, loss_fn: Callable | None, num_args: int):
+        super().__init__()
+        self.model = model
+        self._call, self._loss_fn, self._num_args = call, loss_fn, num_args
+
+    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
+        out = self._call(*tensors)
+        if self._loss_fn is not None:
+            loss = self._loss_fn(out, *tensors[: self._num_args])
+            return _as_scalar(loss, "loss_fn's result") if isinstance(loss, torch.Tensor) else _no_loss(loss, "loss_fn")
+        return _extract_loss(out)
+
+
+def _extract_loss(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return _as_scalar(out, "the model's output")
+    if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
+        return _as_scalar(out["loss"], 'output["loss"]')
+    if isinstance(getattr(out, "loss", None), torch.Tensor):
+        return _as_scalar(out.loss, "output.loss")
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return _as_scalar(out[0], "output[0]")
+    return _no_loss(out, "the model")
+
+
+def _as_scalar(loss: torch.Tensor, what: str) -> torch.Tensor:
+    if loss.numel() != 1 or not loss.is_floating_point():
+        raise NoLossError(
+            f"{what} is a {tuple(loss.shape)} {loss.dtype} tensor, not a scalar floating loss. "
+            "Return the loss from forward (e.g. pass labels/targets) or pass "
+            "loss_fn=lambda output, *inputs: ... to capture().")
+    return loss.reshape(())
+
+
+def _no_loss(out: Any, who: str) -> torch.Tensor:
+    raise NoLossError(
+        f"{who} returned {type(out).__name__} with no loss (checked: a scalar tensor, .loss, "
+        '["loss"], [0]). Return the loss from forward (e.g. pass labels/targets) or pass '
+        "loss_fn=lambda output, *inputs: ... to capture().")
+
+
+# ---------------------------------------------------------------- 3-4. export and joint retrace
+
+def _traced(step: Callable[[], torch.fx.GraphModule]) -> torch.fx.GraphModule:
+    """Run a tracing step; turn torch's failure into a TraceError naming the user's line."""
+    try:
+        return step()
+    except (InputError, NoLossError):
+        raise
+    except Exception as e:  # noqa: BLE001 - any tracing failure is reported the same way
+        err = TraceError(_trace_message(e))
+        err.original = e
+        if os.environ.get("AUTOPAR_DEBUG", "0") not in ("", "0"):
+            raise err from e
+        raise err from None
+
+
+def _trace_message(e: BaseException) -> str:
+    reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    where = _user_frame(e)
+    at = f" at {where[0]}:{where[1]}" + (f": `{where[2]}`" if where[2] else "") if where else ""
+    hint = ""
+    if "data-dependent" in str(e) or "data dependent" in str(e):
+        hint = ("Python control flow that depends on tensor values (e.g. `if x.sum() > 0:`) "
+                "cannot be traced: use torch.where / torch.cond, or move it out of forward. ")
+    return (f"could not capture the model{at}. torch said: {type(e).__name__}: {reason}\n"
+            f"{hint}Set AUTOPAR_DEBUG=1 to see torch's traceback.")
+
+
+def _user_frame(e: BaseException) -> tuple[str, int, str] | None:
+    """The innermost frame outside torch, autopar and the standard library, over the chain."""
+    skip = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["autopar"]))
+    stdlib = os.path.dirname(os.__file__) + os.sep
+    found, seen = None, set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        for frame, line in traceback.walk_tb(e.__traceback__):
+            path = frame.f_code.co_filename
+            if not path.startswith(skip) and not path.startswith(stdlib) and not path.startswith("<"):
+                found = (path, line)
+        e = e.__cause__ or e.__context__
+    if found is None:
+        return None
+    return found[0], found[1], linecache.getline(found[0], found[1]).strip()
+
+
+def _retarget_meta_to_cpu(gm: torch.fx.GraphModule) -> None:
+    """Make factory ops of a meta-device export create CPU tensors (fakes are CPU), and drop the
+    device assertions export inserts, which would pin the graph to the capture device.
+    Only an Interpreter runs this graph afterwards, so it is not recompiled."""
+    cpu = torch.device("cpu")
+    fix = lambda a: cpu if isinstance(a, torch.device) and a.type == "meta" else a  # noqa: E731
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+            continue
+        node.args = torch.fx.node.map_aggregate(node.args, fix)
+        node.kwargs = torch.fx.node.map_aggregate(node.kwargs, fix)
+
+
+class _GraphRunner(torch.fx.Interpreter):
+    """Runs the exported graph with its parameters/buffers taken from `tensors` (by FQN)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, tensors: dict[str, torch.Tensor], aliases: dict[str, str]):
+        super().__init__(gm)
+        self.tensors, self.aliases = tensors, aliases
+
+    def get_attr(self, target: str, args: tuple, kwargs: dict) -> Any:
+        name = target.removeprefix(_PREFIX)
+        name = self.aliases.get(name, name)
+        if name in self.tensors:
+            return self.tensors[name]
+        return super().get_attr(target, args, kwargs)
+
+
+class _JointStep:
+    """`(*params, *buffers, *inputs) -> (loss, *grads)` by functorch over the exported graph."""
+
+    def __init__(self, exported: torch.fx.GraphModule, param_names: list[str],
+                 buffer_names: list[str], grad_names: list[str], aliases: dict[str, str]):
+        self.exported, self.aliases = exported, aliases
+        self.param_names, self.buffer_names, self.grad_names = param_names, buffer_names, grad_names
+
+    def __call__(self, *flat: torch.Tensor) -> tuple:
+        num_p, num_b = len(self.param_names), len(self.buffer_names)
+        params = dict(zip(self.param_names, flat[:num_p]))
+        buffers = dict(zip(self.buffer_names, flat[num_p:num_p + num_b]))
+        inputs = flat[num_p + num_b:]
+
+        def loss_of(diff: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+            # buffers are an argument, not a closure: functorch only lets a function mutate its inputs
+            out = _GraphRunner(self.exported, {**params, **buffers, **diff}, self.aliases).run(*inputs)
+            loss = out[0] if isinstance(out, (tuple, list)) else out
+            compat.tag_backward_nodes(loss)
+            return loss
+
+        diff = {n: params[n] for n in self.grad_names}
+        grads, loss = torch.func.grad_and_value(loss_of)(diff, buffers)
+        return (loss, *(grads[n] for n in self.grad_names))
+
+
+# ---------------------------------------------------------------- 5. flatten and annotate
+
+def _flatten_and_clean(gm: torch.fx.GraphModule) -> None:
+    """Plain flat calling convention (no pytree codegen) and no no-op alias nodes."""
+    out = gm.graph.output_node()
+    out.args = (tuple(out.args[0]),)
+    out.meta["val"] = tuple(n.meta["val"] for n in out.args[0])
+    gm.graph.set_codegen(torch.fx.graph.CodeGen())
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.alias.default:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _annotate(gm: torch.fx.GraphModule, names: list[str], roles: list[str]) -> None:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == len(names), (len(placeholders), len(names))
+    for node, name, role in zip(placeholders, names, roles):
+        node.meta["autopar_name"], node.meta["autopar_role"] = name, role
+    loss = gm.graph.output_node().args[0][0]
+    forward = _ancestors(loss)
+    first_of_seq: dict[int, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        node.meta["phase"] = "forward" if node in forward or _is_forward_getitem(node, forward) else "backward"
+        if node.meta["phase"] == "forward":
+            node.meta["module_path"] = _module_path(node.meta.get("nn_module_stack"))
+            first_of_seq.setdefault(node.meta.get("seq_nr"), node)
+        else:
+            fwd = first_of_seq.get(node.meta.get("seq_nr"))
+            node.meta["module_path"] = fwd.meta["module_path"] if fwd is not None else ""
+
+
+def _is_forward_getitem(node: torch.fx.Node, forward: set[torch.fx.Node]) -> bool:
+    """An extra output of a forward op (e.g. layer norm's saved mean/rstd) is forward too."""
+    return node.target is operator.getitem and node.args[0] in forward
+
+
+def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    seen, stack = {node}, [node]
+    while stack:
+        for inp in stack.pop().all_input_nodes:
+            if inp not in seen:
+                seen.add(inp)
+                stack.append(inp)
+    return seen
+
+
+def _module_path(stack: dict | None) -> str:
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return "" if path == _PREFIX.rstrip(".") else path.removeprefix(_PREFIX)
+
+
+def _params_used_in_forward(gm: torch.fx.GraphModule) -> set[str]:
+    used = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.meta["autopar_role"] == "param":
+            if any(u.meta.get("phase") == "forward" for u in node.users):
+                used.add(node.meta["autopar_name"])
+    return used
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    return getattr(node.target, "__name__", str(node.target)).split(".")[0]

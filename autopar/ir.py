@@ -1,0 +1,137 @@
+"""The IR's invariants between passes, written down once and checked by `verify(gm, stage, ctx)`.
+
+    captured      every node has meta["val"] with GLOBAL shapes; placeholders carry
+                  meta["autopar_role"] and ["autopar_name"]; ops carry meta["phase"].
+    apply_plan    + every placeholder and op (getitems too) has meta["autopar_outs"] and
+                  ["autopar_ins"]: one spec (placement per mesh axis) per output / tensor input.
+    insert_redistribute
+                  + every op input's spec equals what the op requires (mismatches go through
+                  `redistribute` nodes); the loss is Replicate; each gradient has its master spec.
+    lower_collectives
+                  + no redistribute node survives; every functional collective names the process
+                  group of a real mesh axis and is followed by its wait_tensor.
+    localize_shapes
+                  + the program runs on LOCAL shapes: propagating fake tensors of each input's
+                  local shape (parameters: the plan's master shard) gives every planned op the
+                  local shape of its planned output spec.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from autopar.placement import local_shape, replicated
+from autopar.strategies import is_getitem
+
+c10d = torch.ops._c10d_functional
+COLLECTIVES = {c10d.all_gather_into_tensor.default, c10d.all_reduce.default, c10d.reduce_scatter_tensor.default,
+               c10d.all_to_all_single.default}
+
+
+class IRError(AssertionError):
+    """An invariant between passes is broken: a bug in autopar, not the user's mistake."""
+
+
+def verify(gm: fx.GraphModule, stage: str, ctx=None) -> None:
+    """Check the invariants that hold after `stage` (a pass name, or "captured")."""
+    checks = {
+        "captured": (_captured,),
+        "apply_plan": (_captured, _planned),
+        "insert_redistribute": (_captured, _planned, _consistent),
+        "lower_collectives": (_captured, _lowered),
+        "localize_shapes": (_captured, _lowered, _local),
+    }
+    if stage not in checks:
+        raise ValueError(f"unknown stage {stage!r}; one of {list(checks)}")
+    for check in checks[stage]:
+        check(gm, ctx)
+
+
+def _fail(node: fx.Node, msg: str) -> None:
+    raise IRError(f"{node.name} ({node.target}): {msg}")
+
+
+def _captured(gm, ctx) -> None:
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and "autopar_role" not in node.meta:
+            _fail(node, "placeholder without autopar_role")
+        if node.op in ("placeholder", "call_function") and "val" not in node.meta \
+                and node.meta.get("autopar_pass") != "lower_collectives":
+            _fail(node, "no meta['val']")
+
+
+def _planned(gm, ctx) -> None:
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "call_function") and node.meta.get("val") is not None \
+                and "autopar_outs" not in node.meta and node.meta.get("autopar_pass") != "lower_collectives":
+            _fail(node, "no planned placement after apply_plan")
+
+
+def _consistent(gm, ctx) -> None:
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or is_getitem(node) or "autopar_ins" not in node.meta:
+            continue
+        for a, want in zip(node.all_input_nodes, node.meta["autopar_ins"]):
+            if a.meta["autopar_outs"][0] != want:
+                _fail(node, f"input {a.name} is {a.meta['autopar_outs'][0]} but {want} is required")
+    out = gm.graph.output_node().args[0]
+    if out[0].meta["autopar_outs"][0] != replicated(len(ctx.axis_sizes)):
+        _fail(out[0], "the loss is not Replicate")
+
+
+def _lowered(gm, ctx) -> None:
+    from autopar.passes.ops import redistribute
+    groups = set(ctx.group_names) if ctx is not None else set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is redistribute:
+            _fail(node, "redistribute survived lowering")
+        if node.target in COLLECTIVES:
+            if groups and node.args[-1] not in groups:
+                _fail(node, f"collective on unknown group {node.args[-1]!r}")
+            if [u.target for u in node.users] != [c10d.wait_tensor.default]:
+                _fail(node, "collective without its wait_tensor")
+
+
+def _local(gm, ctx) -> None:
+    """Propagate fake local-shaped inputs and compare every planned op with its planned local shape."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    args = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            v = node.meta["val"]
+            shape = local_shape(node.meta["autopar_outs"][0], tuple(v.shape), ctx.axis_sizes)
+            with mode:
+                args.append(torch.empty(shape, dtype=v.dtype, device=v.device if v.device.type != "meta" else "cpu"))
+    env = {}
+
+    class Prop(FakeTensorProp):
+        def run_node(self, n):
+            r = super().run_node(n)
+            env[n] = r
+            return r
+
+    saved = {n: n.meta.get("val") for n in gm.graph.nodes}  # FakeTensorProp overwrites meta["val"]
+    try:
+        Prop(gm, mode).propagate_dont_convert_inputs(*args)
+    finally:
+        for n, v in saved.items():
+            if v is None:
+                n.meta.pop("val", None)
+            else:
+                n.meta["val"] = v
+    for node, got in env.items():
+        if node.op != "call_function" or "autopar_outs" not in node.meta or "val" not in node.meta:
+            continue
+        if node.meta.get("autopar_pass") == "lower_collectives":
+            continue
+        vals = got if isinstance(got, (tuple, list)) else (got,)
+        gvals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
+        for v, g, spec in zip(vals, gvals, node.meta["autopar_outs"]):
+            if isinstance(v, torch.Tensor) and spec is not None:
+                want = local_shape(spec, tuple(g.shape), ctx.axis_sizes)
+                if tuple(v.shape) != tuple(want):
+                    _fail(node, f"local shape {tuple(v.shape)} but the plan says {want}")

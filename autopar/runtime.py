@@ -1,0 +1,197 @@
+"""The runtime: `autoparallelize()` and `ParallelModule`, the per-rank program under torchrun.
+
+Parameters are DTensors on a DeviceMesh built from the world and the plan's mesh, placed as the
+plan's master specs, so an unmodified torch.optim optimizer steps on local shards and
+torch.distributed.checkpoint / full_tensor() work. A forward call runs the rewritten joint graph on
+local shards (inputs: every rank passes the same global batch; each keeps its planned slice) and
+returns the loss; backward hands the graph's gradients (already reduced to each master spec) to
+autograd, which fills `p.grad` as DTensors.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from autopar.canonicalize import canonicalize
+from autopar.capture import capture
+from autopar.errors import InputError, MeshError
+from autopar.mesh import Mesh
+from autopar.placement import local_shape
+from autopar.plan import Plan
+from autopar.planner import fingerprint
+from autopar.passes import PassContext, run_passes
+from autopar.passes.context import parse_spec
+
+
+def _init_distributed() -> tuple[int, int]:
+    """Join torchrun's process group (gloo on CPU, NCCL with CUDA), or make a world of one."""
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        else:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _device_type() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def _broadcast_plan(plan_fn) -> Plan:
+    """Rank 0 plans, every rank receives the same JSON (solver time limits may not be repeatable)."""
+    box = [plan_fn().to_json() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return Plan.from_json(box[0])
+
+
+def autoparallelize(model: nn.Module, example_inputs: tuple, *, mesh=None, strategy="auto", memory_budget=None,
+                    plan: Plan | None = None, loss_fn=None, example_kwargs=None, optimizer: str = "adamw",
+                    time_limit=None, verify: bool = False, **kw) -> "ParallelModule":
+    """Plan (or reuse `plan`), rewrite and return a module that trains on this rank of the job."""
+    rank, world = _init_distributed()
+    if mesh is None:
+        mesh = Mesh((world,), hardware="cpu" if _device_type() == "cpu" else "h100")
+    elif not isinstance(mesh, Mesh):
+        mesh = Mesh(mesh)
+    if mesh.size != world:
+        raise MeshError(f"the mesh has {mesh.size} devices ({mesh}) but this job has {world} ranks; "
+                        f"launch with torchrun --nproc_per_node {mesh.size} or pass a mesh of {world}")
+    captured = capture(model, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn)
+    canonicalize(captured.gm)
+    if plan is None:
+        from autopar.planner import plan as make_plan
+        plan = _broadcast_plan(lambda: make_plan(model, example_inputs, mesh=mesh, strategy=strategy,
+                                                 memory_budget=memory_budget, optimizer=optimizer, loss_fn=loss_fn,
+                                                 time_limit=time_limit, example_kwargs=example_kwargs, **kw))
+    plan.check_matches(fingerprint(captured, mesh), mesh)
+    device_mesh = init_device_mesh(_device_type(), tuple(mesh.shape), mesh_dim_names=tuple(mesh.axis_names))
+    ctx = PassContext(plan, tuple(mesh.shape), coords=tuple(device_mesh.get_coordinate()),
+                      group_names=tuple(device_mesh.get_group(a).group_name for a in range(mesh.ndim)),
+                      grad_names=tuple(captured.grad_param_names))
+    gm = run_passes(captured.gm, ctx, verify=verify)
+    return ParallelModule(model, captured, plan, gm, device_mesh, ctx)
+
+
+class _JointStep(torch.autograd.Function):
+    """Runs the per-rank joint graph in forward; its backward returns the graph's gradients."""
+
+    @staticmethod
+    def forward(fctx, runner, num_params, *args):
+        with torch.no_grad():
+            outs = runner.gm(*args)
+        fctx.grads = runner.grads_by_param(outs[1:])
+        fctx.num_rest = len(args) - num_params
+        return outs[0].detach().clone()
+
+    @staticmethod
+    def backward(fctx, g):
+        grads = [None if gr is None else gr * g for gr in fctx.grads]
+        return (None, None, *grads, *([None] * fctx.num_rest))
+
+
+class ParallelModule(nn.Module):
+    """The parallelized model on this rank: `pmodel(*inputs) -> loss`, `.train_step`, `.plan`."""
+
+    def __init__(self, model, captured, plan: Plan, gm, device_mesh: DeviceMesh, ctx: PassContext):
+        super().__init__()
+        self.plan = plan
+        object.__setattr__(self, "gm", gm)  # the program: not a submodule (no state of its own)
+        object.__setattr__(self, "device_mesh", device_mesh)
+        self._param_names = list(captured.param_names)
+        self._buffer_names = list(captured.buffer_names)
+        self._input_names = list(captured.input_names)
+        self._grad_index = {n: i for i, n in enumerate(captured.grad_param_names)}
+        self._tied = dict(captured.tied)
+        self._input_specs = [parse_spec(plan.nodes[n.name].outs[0]) for n in captured.placeholders("input")]
+        self._input_shapes = [tuple(n.meta["val"].shape) for n in captured.placeholders("input")]
+        self._coords = ctx.coords
+        self._axis_sizes = ctx.axis_sizes
+        params = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
+        for name in self._param_names:
+            spec = parse_spec(plan.params[name].master)
+            dt = distribute_tensor(params[name].detach(), device_mesh, list(spec))
+            _set(self, name, nn.Parameter(dt, requires_grad=params[name].requires_grad), param=True)
+        for node, name in zip(captured.placeholders("buffer"), self._buffer_names):
+            spec = parse_spec(plan.nodes[node.name].outs[0])
+            _set(self, name, distribute_tensor(buffers[name].detach(), device_mesh, list(spec)), param=False)
+
+    # ------------------------------------------------------------------ running
+    def grads_by_param(self, grads) -> list:
+        return [grads[self._grad_index[n]] if n in self._grad_index else None for n in self._param_names]
+
+    def _local_inputs(self, inputs) -> list[torch.Tensor]:
+        if len(inputs) != len(self._input_shapes):
+            raise InputError(f"expected {len(self._input_shapes)} inputs ({', '.join(self._input_names)}), "
+                             f"got {len(inputs)}")
+        out = []
+        for name, x, shape, spec in zip(self._input_names, inputs, self._input_shapes, self._input_specs):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape:
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise InputError(f"rank {dist.get_rank()}: input {name!r} has shape {got} but the plan was made "
+                                 f"for {shape}; re-plan for the new shape or pad/crop the batch")
+            out.append(_local_slice(x, spec, self._coords, self._axis_sizes))
+        return out
+
+    def forward(self, *inputs, **kwargs) -> torch.Tensor:
+        inputs = tuple(inputs) + tuple(kwargs[n] for n in self._input_names[len(inputs):] if n in kwargs)
+        local_inputs = self._local_inputs(inputs)
+        params = [_get(self, n) for n in self._param_names]
+        locals_ = [p.to_local() for p in params]
+        bufs = [_get(self, n).to_local() for n in self._buffer_names]
+        return _JointStep.apply(self, len(locals_), *locals_, *bufs, *local_inputs)
+
+    def train_step(self, *inputs, **kwargs) -> torch.Tensor:
+        """Forward and backward: returns the loss (same on every rank); gradients are left in p.grad."""
+        loss = self(*inputs, **kwargs)
+        loss.backward()
+        return loss.detach()
+
+    # ------------------------------------------------------------------ state
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded parameters and buffers under the original model's names (tied names included)."""
+        out = {}
+        for name in self._param_names + self._buffer_names:
+            full = _get(self, name).full_tensor().detach()
+            out[name] = full
+            for alias in self._tied.get(name, ()):
+                out[alias] = full
+        return out
+
+
+def _local_slice(x: torch.Tensor, spec, coords, axis_sizes) -> torch.Tensor:
+    full = tuple(x.shape)
+    loc = local_shape(spec, full, axis_sizes)
+    for d in range(len(full)):
+        if loc[d] == full[d]:
+            continue
+        # offset of this rank's block along d: nested chunks in mesh-axis order
+        offset, size = 0, full[d]
+        for axis, p in enumerate(spec):
+            if getattr(p, "dim", None) == d and not p.is_partial():
+                size //= axis_sizes[axis]
+                offset += coords[axis] * size
+        x = x.narrow(d, offset, size)
+    return x
+
+
+def _set(root: nn.Module, fqn: str, value, *, param: bool) -> None:
+    *path, leaf = fqn.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part) or not isinstance(getattr(mod, part), nn.Module):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    if param:
+        mod.register_parameter(leaf, value)
+    else:
+        mod.register_buffer(leaf, value)
+
+
+def _get(root: nn.Module, fqn: str):
+    return root.get_parameter(fqn) if fqn in dict(root.named_parameters()) else root.get_buffer(fqn)

@@ -1,0 +1,28 @@
+"""localize_shapes: rewrite global sizes baked into op arguments (view, expand, full, slice, ...)
+to this rank's local sizes under the node's planned output spec."""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autopar.rules.localize import SIZE_ARG, localize_args
+from .context import PassContext
+
+
+def localize_shapes_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Each shape-carrying op now builds its local shard's shape."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or "autopar_outs" not in node.meta or "val" not in node.meta:
+            continue
+        packet = getattr(node.target, "overloadpacket", None)
+        if packet is None or (packet not in SIZE_ARG and packet.__name__ not in ("slice", "slice_copy")):
+            continue
+        val = node.meta["val"]
+        out_spec = node.meta["autopar_outs"][0]
+        inputs = node.all_input_nodes
+        in_val = inputs[0].meta.get("val") if inputs else None
+        in_spec = node.meta["autopar_ins"][0] if inputs else None
+        node.args = localize_args(node.target, node.args, tuple(val.shape), out_spec,
+                                  tuple(in_val.shape) if in_val is not None else None, in_spec, ctx.axis_sizes)
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,128 @@
+"""lower_collectives: replace each abstract redistribute with functional collectives on the right
+mesh-axis process group, one mesh axis at a time (the order `autopar.reshard.steps` prices).
+
+Per axis of size n, with this rank at coordinate c:
+    S(d) -> R     all_gather_into_tensor along d          P -> R     all_reduce(op)
+    P -> S(d)     reduce_scatter_tensor along d           R -> S(d)  narrow(d, c * size, size)
+    S(i) -> S(j)  all_to_all_single                       R -> P     rank 0 keeps x, others zeros (avg: x)
+    S -> P, P(a) -> P(b): through Replicate.
+Collectives along a dim d != 0 move d to the front first (the collectives work on dim 0). Every
+collective's wait node carries meta["autopar_collective"] = (kind, axis, phase, reason).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from autopar.placement import R, is_partial, is_shard, local_shape
+from autopar.reshard import transitions
+
+from .context import PassContext
+from .ops import redistribute
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+class _Emitter:
+    """Appends nodes before `anchor`, tracking the local shape of the value being moved."""
+
+    def __init__(self, gm: fx.GraphModule, anchor: fx.Node, ctx: PassContext, info: dict):
+        self.gm, self.anchor, self.ctx, self.info = gm, anchor, ctx, info
+
+    def call(self, target, *args) -> fx.Node:
+        with self.gm.graph.inserting_before(self.anchor):
+            node = self.gm.graph.call_function(target, args)
+        node.meta.update(phase=self.info["phase"], autopar_pass="lower_collectives",
+                         module_path=self.anchor.meta.get("module_path", ""))
+        return node
+
+    def collective(self, kind: str, axis: int, target, *args) -> fx.Node:
+        wait = self.call(c10d.wait_tensor.default, self.call(target, *args))
+        wait.meta["autopar_collective"] = dict(kind=kind, axis=self.ctx.axis_names[axis], **self.info)
+        return wait
+
+    def to_front(self, x: fx.Node, d: int, ndim: int) -> fx.Node:
+        if d == 0:
+            return self.call(aten.clone.default, x)  # collectives want their own contiguous buffer
+        perm = [d] + [i for i in range(ndim) if i != d]
+        return self.call(aten.clone.default, self.call(aten.permute.default, x, perm))
+
+    def from_front(self, x: fx.Node, d: int, ndim: int) -> fx.Node:
+        if d == 0:
+            return x
+        inv = list(range(1, d + 1)) + [0] + list(range(d + 1, ndim))
+        return self.call(aten.permute.default, x, inv)
+
+
+def _axis(em: _Emitter, x: fx.Node, src, dst, axis: int, shape: tuple) -> fx.Node:
+    """Move x (local shape `shape`) from src to dst on one axis."""
+    ctx = em.ctx
+    n, c, group = ctx.axis_sizes[axis], ctx.coords[axis], ctx.group_names[axis]
+    nd = len(shape)
+    if src == dst or n == 1:
+        return x
+    if is_partial(src) and (dst == R or is_partial(dst)):
+        y = em.collective("all_reduce", axis, c10d.all_reduce.default, x, src.reduce_op, group)
+        return y if dst == R else _axis(em, y, R, dst, axis, shape)
+    if is_partial(src) and is_shard(dst):
+        front = em.to_front(x, dst.dim, nd)
+        y = em.collective("reduce_scatter", axis, c10d.reduce_scatter_tensor.default, front, src.reduce_op, n, group)
+        return em.from_front(y, dst.dim, nd)
+    if is_shard(src) and is_shard(dst):
+        return _all_to_all(em, x, src.dim, dst.dim, axis, shape)
+    if is_shard(src):  # -> R, or -> P through R
+        front = em.to_front(x, src.dim, nd)
+        y = em.from_front(em.collective("all_gather", axis, c10d.all_gather_into_tensor.default, front, n, group),
+                          src.dim, nd)
+        if dst == R:
+            return y
+        full = list(shape)
+        full[src.dim] *= n
+        return _axis(em, y, R, dst, axis, tuple(full))
+    if is_shard(dst):  # R -> S(d): keep my slice
+        size = shape[dst.dim] // n
+        return em.call(aten.slice.Tensor, x, dst.dim, c * size, (c + 1) * size)
+    # R -> Partial: rank 0 holds the value for a sum, everyone for an average
+    if dst.reduce_op == "sum" and c != 0:
+        return em.call(aten.zeros_like.default, x)
+    return x
+
+
+def _all_to_all(em: _Emitter, x: fx.Node, i: int, j: int, axis: int, shape: tuple) -> fx.Node:
+    """S(i) -> S(j): split j into n parts, exchange, concatenate the received parts along i."""
+    n, group = em.ctx.axis_sizes[axis], em.ctx.group_names[axis]
+    parts = [em.call(aten.slice.Tensor, x, j, k * (shape[j] // n), (k + 1) * (shape[j] // n)) for k in range(n)]
+    stacked = em.call(aten.stack.default, parts)
+    y = em.collective("all_to_all", axis, c10d.all_to_all_single.default, stacked, [1] * n, [1] * n, group)
+    pieces = [em.call(aten.select.int, y, 0, k) for k in range(n)]
+    return em.call(aten.cat.default, pieces, i)
+
+
+def _lower_one(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> None:
+    x, src, dst = node.args[0], node.meta["autopar_src"], node.meta["autopar_outs"][0]
+    info = dict(phase=node.meta.get("phase", "forward"), reason=node.meta.get("autopar_reason", ""),
+                source=x.name)
+    em = _Emitter(gm, node, ctx, info)
+    gshape = tuple(node.meta["val"].shape)
+    current = list(src)
+    y = x
+    for axis, frm, to in transitions(tuple(src), tuple(dst)):
+        lshape = local_shape(tuple(current), gshape, ctx.axis_sizes)
+        y = _axis(em, y, frm, to, axis, lshape)
+        current[axis] = to
+    y.meta["autopar_outs"] = (tuple(dst),)
+    node.replace_all_uses_with(y)
+    gm.graph.erase_node(node)
+
+
+def lower_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """No redistribute node survives; each became functional collectives (+ waits) or local ops."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is redistribute:
+            _lower_one(gm, node, ctx)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
