@@ -1,8 +1,10 @@
 """autopar: auto-parallelize PyTorch training with a graph compiler and an ILP planner."""
 from autopar import errors
+from autopar.diff import diff
 from autopar.mesh import Mesh
 from autopar.plan import Plan
 from autopar.planner import plan
+from autopar.runtime import ParallelModule, autoparallelize
 
-__all__ = ["Mesh", "Plan", "plan", "errors"]
+__all__ = ["Mesh", "Plan", "plan", "autoparallelize", "ParallelModule", "errors", "diff"]
 __version__ = "0.1.0"

@@ -28,7 +28,9 @@ from autopar.placement import Shard, local_fraction, replicated
 from autopar.reshard import ReshardCost
 from autopar.strategies import NodeStrategy, StrategyEnumerator, is_getitem, val_of
 
-CATEGORIES = ("params", "grads", "optimizer", "activations")
+# "params" are the stored (master) shards and buffers; "gathered_params" the whole copies ZeRO-1/2
+# gather once per step; "activations" the forward values kept for backward.
+CATEGORIES = ("params", "gathered_params", "grads", "optimizer", "activations")
 FREE_OPS = VIEW_OPS - {torch.ops.aten.clone, torch.ops.aten._to_copy}  # aliases: no kernel, no bytes
 
 

@@ -70,12 +70,12 @@ def param_memory(strat: ParamStrategy, nbytes: float, numel: int, axis_sizes, op
     """Bytes per device by category for one parameter under `strat`."""
     master = nbytes * local_fraction(strat.master, axis_sizes)
     use = nbytes * local_fraction(strat.outs[0], axis_sizes)
-    params = master + (use if strat.outs[0] != strat.master else 0.0)  # zero1/2 keep a gathered copy
+    gathered = use if strat.outs[0] != strat.master else 0.0  # zero1/2: the step's gathered copy
     if not trainable:
-        return {"params": params, "grads": 0.0, "optimizer": 0.0}
+        return {"params": master, "gathered_params": gathered, "grads": 0.0, "optimizer": 0.0}
     grads = nbytes * local_fraction(strat.grad_hold, axis_sizes)
     optimizer = numel * opt_bytes_per_elem * local_fraction(strat.master, axis_sizes)
-    return {"params": params, "grads": grads, "optimizer": optimizer}
+    return {"params": master, "gathered_params": gathered, "grads": grads, "optimizer": optimizer}
 
 
 def input_strategies(shape: tuple[int, ...], axis_sizes: tuple[int, ...]) -> list[NodeStrategy]:

@@ -91,12 +91,13 @@ class GPT(nn.Module):
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_weights:
-            self.lm_head.weight = self.transformer.wte.weight
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Deterministic GPT-2 init: normal(0, 0.02), residual projections scaled by 1/sqrt(2L)."""
+        """Deterministic GPT-2 init: normal(0, 0.02), residual projections scaled by 1/sqrt(2L).
+        Also (re)ties lm_head to wte, which `to_empty()` after a meta-device build unties."""
+        if self.config.tie_weights:
+            self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
         std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, p in self.named_parameters():
