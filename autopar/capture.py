@@ -118,7 +118,9 @@ def capture(
     params, tied = _unique_tensors(model.named_parameters(remove_duplicate=False))
     buffers, buffer_ties = _unique_tensors(model.named_buffers(remove_duplicate=False))
     wrapper = _LossModule(model, call, loss_fn, len(args))                # 2. model -> loss
-    exported = _traced(lambda: compat.export_graph(wrapper, tuple(flat_inputs)))  # 3. export
+    on_meta = any(t.is_meta for t in [*params.values(), *buffers.values()])
+    export_inputs = tuple(t.to("meta") if on_meta else t for t in flat_inputs)  # one device for export
+    exported = _traced(lambda: compat.export_graph(wrapper, export_inputs))  # 3. export
     _retarget_meta_to_cpu(exported)
     exported_at = time.perf_counter()
     grad_names = [n for n, p in params.items() if p.requires_grad and p.is_floating_point()]

@@ -233,16 +233,22 @@ class ProblemBuilder:
             prob.local_comm[prob.loss_index][k] += self.reshard.time(s.outs[out], rep, nbytes, bucketed=True)
 
     def edge_matrix(self, prob: Problem, e: EdgeInfo) -> np.ndarray:
+        """Seconds of resharding per (src strategy, dst strategy), priced once per unique spec pair."""
         src_s, dst_s = prob.strategies[e.src], prob.strategies[e.dst]
         if e.kind == "grad":  # src is the parameter: its master spec; dst produces the gradient
-            return np.array([[self.reshard.time(d.outs[e.out], s.master, e.nbytes, bucketed=True) for d in dst_s]
-                             for s in src_s])
-        src_specs = [s.outs[e.out] for s in src_s]
-        dst_specs = [d.ins[e.pos] for d in dst_s]
-        uniq_src = {sp: i for i, sp in enumerate(dict.fromkeys(src_specs))}
-        uniq_dst = {sp: i for i, sp in enumerate(dict.fromkeys(dst_specs))}
-        small = np.array([[self.reshard.time(a, b, e.nbytes) for b in uniq_dst] for a in uniq_src])
-        return small[np.ix_([uniq_src[s] for s in src_specs], [uniq_dst[d] for d in dst_specs])]
+            src_specs = [s.master for s in src_s]
+            dst_specs = [d.outs[e.out] for d in dst_s]
+            small = self._spec_matrix(dst_specs, src_specs, e.nbytes, bucketed=True).T
+        else:
+            src_specs = [s.outs[e.out] for s in src_s]
+            dst_specs = [d.ins[e.pos] for d in dst_s]
+            small = self._spec_matrix(src_specs, dst_specs, e.nbytes, bucketed=False)
+        return small[np.ix_(_index_of(src_specs), _index_of(dst_specs))]
+
+    def _spec_matrix(self, a_specs, b_specs, nbytes: float, bucketed: bool) -> np.ndarray:
+        """reshard(a -> b) over the unique specs of each side, in first-seen order."""
+        return np.array([[self.reshard.time(a, b, nbytes, bucketed) for b in dict.fromkeys(b_specs)]
+                         for a in dict.fromkeys(a_specs)])
 
     def _cost_graph(self, prob: Problem) -> CostGraph:
         nodes = [CostNode(n.name, prob.compute[i] + prob.local_comm[i], sum(prob.memory[i].values()))
@@ -252,6 +258,12 @@ class ProblemBuilder:
             src, dst, mat = e.src, e.dst, self.edge_matrix(prob, e)
             edges.append(CostEdge(src, dst, mat))
         return CostGraph(nodes, edges, layer_groups=layer_groups(prob))
+
+
+def _index_of(specs: list) -> list[int]:
+    """Position of each spec among the unique specs in first-seen order."""
+    first = {sp: i for i, sp in enumerate(dict.fromkeys(specs))}
+    return [first[sp] for sp in specs]
 
 
 def layer_of(path: str) -> tuple[str, int] | None:

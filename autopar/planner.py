@@ -19,6 +19,7 @@ from autopar.plan import Plan
 from autopar.solver import solve
 
 BASELINES = ("dp", "zero1", "zero2", "zero3", "tp")
+DEFAULT_TIME_LIMIT = 60.0  # seconds per solve: with a memory row CP-SAT may otherwise run long
 
 
 class _Timer(dict):
@@ -37,6 +38,7 @@ def plan(model, example_inputs, *, mesh, strategy="auto", memory_budget=None, op
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     wanted = recipes.normalize(strategy, mesh)
+    time_limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
     timer = _Timer()
     with timer("capture"):        # torch.export + joint trace on fake tensors
         captured = capture(model, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn)
@@ -62,8 +64,8 @@ def _reject_unsupported(kw: dict) -> None:
         raise InputError(f"plan() got an unsupported option {key}={value!r}")
 
 
-def _fixed(prob, captured, mesh, names) -> dict[int, list[int]] | None:
-    allowed = recipes.restriction(captured.gm, names, tuple(mesh.shape))
+def _fixed(prob, captured, mesh, names, propagated=None) -> dict[int, list[int]] | None:
+    allowed = recipes.restriction(captured.gm, names, tuple(mesh.shape), propagated)
     if allowed is None:
         return None
     fixed = {}
@@ -75,14 +77,19 @@ def _fixed(prob, captured, mesh, names) -> dict[int, list[int]] | None:
     return fixed
 
 
+def _solve(prob, **kw):
+    """The solver on the whole cost graph; identical layers are solved once and tiled."""
+    return solve(prob.cg, dedup_layers=bool(prob.cg.layer_groups), **kw)
+
+
 def _baselines(prob, captured, mesh, time_limit):
     """Solve each forced recipe: its time and memory, or why it is infeasible."""
-    table, solutions = {}, {}
+    table, solutions, propagated = {}, {}, {}
     for name in BASELINES:
         names = (name,) * mesh.ndim
-        fixed = _fixed(prob, captured, mesh, names)
+        fixed = _fixed(prob, captured, mesh, names, propagated)
         try:
-            sol = solve(prob.cg, fixed=fixed, time_limit=time_limit)
+            sol = _solve(prob, fixed=fixed, time_limit=time_limit)
         except InfeasiblePlanError as e:
             table[name] = {"feasible": False, "time": None, "memory": e.min_memory_per_device,
                            "reason": f"needs {format_bytes(e.min_memory_per_device)} per device"}
@@ -95,17 +102,17 @@ def _baselines(prob, captured, mesh, time_limit):
 def _solve_requested(prob, captured, mesh, wanted, solutions, time_limit):
     if all(r == "auto" for r in wanted):
         best = min((s for s, _ in solutions.values()), key=lambda s: s.time, default=None)
-        sol = solve(prob.cg, time_limit=time_limit, hint=best.choice if best is not None else None)
+        sol = _solve(prob, time_limit=time_limit, hint=best.choice if best is not None else None)
         if best is not None and best.time < sol.time:  # never worse than a recipe it contains
             sol = best
         return sol, ""
     fixed = _fixed(prob, captured, mesh, wanted)
     try:
-        return solve(prob.cg, fixed=fixed, time_limit=time_limit), ""
+        return _solve(prob, fixed=fixed, time_limit=time_limit), ""
     except InfeasiblePlanError as e:
         budget = prob.cg.memory_budget
         prob.cg.memory_budget = None
-        sol = solve(prob.cg, fixed=fixed, time_limit=time_limit)
+        sol = _solve(prob, fixed=fixed, time_limit=time_limit)
         prob.cg.memory_budget = budget
         reason = (f"strategy {'/'.join(wanted)} needs at least {format_bytes(e.min_memory_per_device)} per device; "
                   f"the budget is {format_bytes(budget)} (over by {format_bytes(e.min_memory_per_device - budget)})")

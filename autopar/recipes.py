@@ -89,11 +89,17 @@ def _in_info(call: OpCall):
             else (None, None) for n in call.inputs]
 
 
-def restriction(gm: fx.GraphModule, recipes: tuple[str, ...], axis_sizes: tuple[int, ...]) -> Callable | None:
-    """A filter `allowed(node, strategies) -> strategies` implementing the recipes, or None for auto."""
+def restriction(gm: fx.GraphModule, recipes: tuple[str, ...], axis_sizes: tuple[int, ...],
+                propagated: dict | None = None) -> Callable | None:
+    """A filter `allowed(node, strategies) -> strategies` implementing the recipes, or None for auto.
+    `propagated` (axis size -> `batch_propagation` result) lets several recipes share one walk."""
     if all(r == "auto" for r in recipes):
         return None
-    batch = {axis: batch_propagation(gm, axis_sizes[axis]) for axis, r in enumerate(recipes) if r != "auto"}
+    propagated = {} if propagated is None else propagated
+    for axis, r in enumerate(recipes):
+        if r != "auto" and axis_sizes[axis] not in propagated:
+            propagated[axis_sizes[axis]] = batch_propagation(gm, axis_sizes[axis])
+    batch = {axis: propagated[axis_sizes[axis]] for axis, r in enumerate(recipes) if r != "auto"}
 
     def ok(node: fx.Node, strat, axis: int, recipe: str) -> bool:
         want = batch[axis][node] if not is_getitem(node) else None

@@ -58,14 +58,23 @@ def _nested(spec: Spec) -> bool:
     return len(dims) != len(set(dims))
 
 
+def _moved(src: Spec, dst: Spec) -> bool:
+    """A dim sharded on one axis in src and on another axis in dst (shard order would change)."""
+    return any(is_shard(p) and is_shard(q) and p.dim == q.dim and a != b
+               for a, p in enumerate(src) for b, q in enumerate(dst))
+
+
 def transitions(src: Spec, dst: Spec) -> list[tuple[int, object, object]]:
     """The per-axis moves (axis, from, to) that take `src` to `dst`, in execution order.
 
-    Without a dim sharded on two axes, axes move independently in mesh order. With nesting (a dim
-    split on axis 0, then again on axis 1), shards are nested in axis order, so from the first axis
-    that changes on, shards are gathered innermost first and then re-split outermost first.
+    Without a dim sharded on two axes (or moving from one axis to another), axes move independently
+    in mesh order. Otherwise shards nest in axis order (a dim split on axis 0, then again on axis 1),
+    so from the first axis that changes on, shards are gathered innermost first and then re-split
+    outermost first.
     """
-    if not (_nested(src) or _nested(dst)):
+    if src == dst:
+        return []
+    if not (_nested(src) or _nested(dst) or _moved(src, dst)):
         return [(a, s, d) for a, (s, d) in enumerate(zip(src, dst)) if s != d]
     first = next(a for a in range(len(src)) if src[a] != dst[a])
     moves, current = [], list(src)

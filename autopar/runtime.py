@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from autopar.canonicalize import canonicalize
 from autopar.capture import capture
 from autopar.errors import InputError, MeshError
+from autopar.materialize import is_meta, stream_tensors
 from autopar.mesh import Mesh
 from autopar.placement import local_shape
 from autopar.plan import Plan
@@ -51,8 +52,12 @@ def _broadcast_plan(plan_fn) -> Plan:
 
 def autoparallelize(model: nn.Module, example_inputs: tuple, *, mesh=None, strategy="auto", memory_budget=None,
                     plan: Plan | None = None, loss_fn=None, example_kwargs=None, optimizer: str = "adamw",
-                    time_limit=None, verify: bool = False, **kw) -> "ParallelModule":
-    """Plan (or reuse `plan`), rewrite and return a module that trains on this rank of the job."""
+                    time_limit=None, verify: bool = False, init_fn=None, **kw) -> "ParallelModule":
+    """Plan (or reuse `plan`), rewrite and return a module that trains on this rank of the job.
+
+    A model on the meta device is materialised module by module (`init_fn(module)`, default: torch.nn
+    layers' reset_parameters), each rank keeping only its shards; see `autopar.materialize`.
+    """
     rank, world = _init_distributed()
     if mesh is None:
         mesh = Mesh((world,), hardware="cpu" if _device_type() == "cpu" else "h100")
@@ -74,7 +79,7 @@ def autoparallelize(model: nn.Module, example_inputs: tuple, *, mesh=None, strat
                       group_names=tuple(device_mesh.get_group(a).group_name for a in range(mesh.ndim)),
                       grad_names=tuple(captured.grad_param_names))
     gm = run_passes(captured.gm, ctx, verify=verify)
-    return ParallelModule(model, captured, plan, gm, device_mesh, ctx)
+    return ParallelModule(model, captured, plan, gm, device_mesh, ctx, init_fn=init_fn)
 
 
 class _JointStep(torch.autograd.Function):
@@ -97,7 +102,8 @@ class _JointStep(torch.autograd.Function):
 class ParallelModule(nn.Module):
     """The parallelized model on this rank: `pmodel(*inputs) -> loss`, `.train_step`, `.plan`."""
 
-    def __init__(self, model, captured, plan: Plan, gm, device_mesh: DeviceMesh, ctx: PassContext):
+    def __init__(self, model, captured, plan: Plan, gm, device_mesh: DeviceMesh, ctx: PassContext,
+                 init_fn=None):
         super().__init__()
         self.plan = plan
         object.__setattr__(self, "gm", gm)  # the program: not a submodule (no state of its own)
@@ -111,15 +117,26 @@ class ParallelModule(nn.Module):
         self._input_shapes = [tuple(n.meta["val"].shape) for n in captured.placeholders("input")]
         self._coords = ctx.coords
         self._axis_sizes = ctx.axis_sizes
-        params = dict(model.named_parameters())
-        buffers = dict(model.named_buffers())
-        for name in self._param_names:
-            spec = parse_spec(plan.params[name].master)
-            dt = distribute_tensor(params[name].detach(), device_mesh, list(spec))
-            _set(self, name, nn.Parameter(dt, requires_grad=params[name].requires_grad), param=True)
+        self._specs = {name: parse_spec(plan.params[name].master) for name in self._param_names}
         for node, name in zip(captured.placeholders("buffer"), self._buffer_names):
-            spec = parse_spec(plan.nodes[node.name].outs[0])
-            _set(self, name, distribute_tensor(buffers[name].detach(), device_mesh, list(spec)), param=False)
+            self._specs[name] = parse_spec(plan.nodes[node.name].outs[0])
+        if is_meta(model):  # one module at a time: no rank ever holds the whole model
+            for names, tensor in stream_tensors(model, init_fn, device=_device_type()):
+                for name in names:
+                    if name in self._specs:
+                        self._place(name, tensor, name in self._grad_index)
+                        break
+        else:
+            tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+            for name in self._specs:
+                self._place(name, tensors[name].detach(), tensors[name].requires_grad)
+
+    def _place(self, name: str, full: torch.Tensor, requires_grad: bool) -> None:
+        dt = distribute_tensor(full.detach(), self.device_mesh, list(self._specs[name]))
+        if name in self._param_names:
+            _set(self, name, nn.Parameter(dt, requires_grad=requires_grad), param=True)
+        else:
+            _set(self, name, dt, param=False)
 
     # ------------------------------------------------------------------ running
     def grads_by_param(self, grads) -> list:
@@ -194,4 +211,7 @@ def _set(root: nn.Module, fqn: str, value, *, param: bool) -> None:
 
 
 def _get(root: nn.Module, fqn: str):
-    return root.get_parameter(fqn) if fqn in dict(root.named_parameters()) else root.get_buffer(fqn)
+    try:
+        return root.get_parameter(fqn)
+    except AttributeError:
+        return root.get_buffer(fqn)

@@ -2,18 +2,26 @@
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import torch
 
+LR, EPS = 1e-2, 1e-6  # eps well above fp noise: a mathematically zero gradient (e.g. a key bias
+# under softmax shift invariance) computes as ~1e-9 noise that Adam would otherwise blow up to ±lr
 
-def train_reference(model, batches, steps: int, lr: float = 1e-2):
+
+def _loss(out):
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def train_reference(model, batches, steps: int):
     """Single-process run of the unmodified model: losses per step and final parameters."""
     model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     losses = []
     for step in range(steps):
-        out = model(*batches[step % len(batches)])
-        loss = out if isinstance(out, torch.Tensor) else out.loss
+        args, kwargs = batches[step % len(batches)]
+        loss = _loss(model(*args, **kwargs))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -21,17 +29,34 @@ def train_reference(model, batches, steps: int, lr: float = 1e-2):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train_parallel(rank, world, model, batches, steps, kw, lr=1e-2):
-    import autopar
+def _local_bytes(t) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def train_parallel(rank, world, model, batches, steps, kw):
+    """autoparallelize + AdamW for `steps` steps; returns what the tests compare."""
     from autopar.runtime import autoparallelize
-    torch.manual_seed(0)
-    pmodel = autoparallelize(copy.deepcopy(model), batches[0], verify=True, **kw)
-    opt = torch.optim.AdamW(pmodel.parameters(), lr=lr)
-    losses = []
+    args, kwargs = batches[0]
+    example = tuple(args) + ((kwargs,) if kwargs else ())
+    pmodel = autoparallelize(copy.deepcopy(model), example, verify=True, **kw)
+    opt = torch.optim.AdamW(pmodel.parameters(), lr=LR, eps=EPS)
+    losses, memory = [], {}
     for step in range(steps):
+        args, kwargs = batches[step % len(batches)]
         opt.zero_grad()
-        losses.append(pmodel.train_step(*batches[step % len(batches)]).item())
+        losses.append(pmodel.train_step(*args, **kwargs).item())
         opt.step()
-    state = pmodel.full_state_dict()
-    collectives = [n.meta["autopar_collective"] for n in pmodel.gm.graph.nodes if "autopar_collective" in n.meta]
-    return {"losses": losses, "state": state, "plan": pmodel.plan.to_json(), "collectives": collectives}
+        if step == 0:
+            memory = {"params": sum(_local_bytes(p) for p in pmodel.parameters()),
+                      "buffers": sum(_local_bytes(b) for b in pmodel.buffers()),
+                      "optimizer": sum(_local_bytes(v) for s in opt.state.values() for k, v in s.items()
+                                       if k != "step")}
+    emitted = Counter((n.meta["autopar_collective"]["kind"], n.meta["autopar_collective"]["phase"])
+                      for n in pmodel.gm.graph.nodes if "autopar_collective" in n.meta)
+    return {"losses": losses, "state": pmodel.full_state_dict(), "plan": pmodel.plan.to_json(),
+            "emitted": dict(emitted), "memory": memory}
+
+
+def train_many(rank, world, model, batches, steps, kws):
+    return [train_parallel(rank, world, model, batches, steps, kw) for kw in kws]

@@ -1,0 +1,65 @@
+"""Build a meta-device model's weights one module at a time, so no rank ever holds the whole model.
+
+`stream_tensors(model, init_fn)` visits modules in `model.apply` order (children before parents),
+gives each module real storage for its own parameters and buffers, runs `init_fn(module)` and yields
+every tensor once its last owner (tied weights have several) has been initialised; the caller keeps
+only its shard and the full tensor is freed. With the same seed, the values equal those of
+`model.to_empty(...); model.apply(init_fn)` on one device, because the random draws happen in the same
+order. `init_fn` must touch only the module's own (non-recursive) tensors.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+
+def default_init(module: nn.Module) -> None:
+    """torch.nn layers' own `reset_parameters` (Linear, Embedding, LayerNorm, ...); others untouched."""
+    if type(module).__module__.startswith("torch.nn") and hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+
+
+def is_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in model.parameters())
+
+
+def _post_order(model: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    for name, child in model.named_children():
+        yield from _post_order(child, f"{prefix}{name}.")
+    yield prefix, model
+
+
+def stream_tensors(model: nn.Module, init_fn: Callable | None = None, device="cpu"
+                   ) -> Iterator[tuple[list[str], torch.Tensor]]:
+    """Yield (names, tensor) for each distinct parameter/buffer: all FQNs that share it, and its value."""
+    init_fn = init_fn or default_init
+    order = list(_post_order(model))
+    owners: dict[int, list[tuple[int, str, nn.Module, str, bool]]] = {}
+    for k, (prefix, mod) in enumerate(order):
+        for kind, table in ((True, mod._parameters), (False, mod._buffers)):
+            for name, t in table.items():
+                if t is not None:
+                    owners.setdefault(id(t), []).append((k, prefix + name, mod, name, kind))
+    last = {key: max(o[0] for o in refs) for key, refs in owners.items()}
+    real: dict[int, torch.Tensor] = {}
+    originals = {}
+    for k, (prefix, mod) in enumerate(order):
+        for kind, table in ((True, mod._parameters), (False, mod._buffers)):
+            for name, t in list(table.items()):
+                if t is None:
+                    continue
+                key = id(originals.get((id(mod), name), t))
+                originals[(id(mod), name)] = t
+                if key not in real:
+                    real[key] = torch.empty(t.shape, dtype=t.dtype, device=device)
+                table[name] = nn.Parameter(real[key], requires_grad=t.requires_grad) if kind else real[key]
+        with torch.no_grad():
+            init_fn(mod)
+        for kind, table in ((True, mod._parameters), (False, mod._buffers)):
+            for name in list(table):
+                if (id(mod), name) in originals:
+                    table[name] = originals[(id(mod), name)]  # back to meta: the real copy is the caller's
+        for key in [key for key, k_last in last.items() if k_last == k and key in real]:
+            yield [o[1] for o in owners[key]], real.pop(key)

@@ -1,0 +1,72 @@
+"""Planning time and peak memory per phase for real-size model shapes (meta device, no weights).
+
+    python benchmarks/plan_time.py                 # every case, each in a fresh subprocess
+    python benchmarks/plan_time.py --case gpt2-8   # one case in this process
+    python benchmarks/plan_time.py --profile llama3-8b-64   # cProfile, top 30 by cumulative time
+
+Prints capture / canonicalize / strategies+costs / baselines / solve / total seconds (plan.timings)
+and peak RSS (ru_maxrss of the case's own process). Target: Llama-3-8B on 64 devices < 20 s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+PHASES = ("capture", "canonicalize", "strategies+costs", "baselines", "solve", "total")
+CASES = ("gpt2-8", "gpt2-64", "llama3-8b-8", "llama3-8b-64")
+
+
+def _mesh(devices: int):
+    import autopar
+    if devices == 8:
+        return autopar.Mesh((8,), hardware="h100")
+    return autopar.Mesh((8, 8), axis_names=("dp", "tp"), hardware="h100", devices_per_node=8)
+
+
+def run_case(name: str) -> dict:
+    import autopar
+    import models
+    model_name, devices = name.rsplit("-", 1)
+    case = models.meta_gpt2_124m() if model_name == "gpt2" else models.meta_llama3_8b()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autopar.plan(case.model, case.example_inputs, mesh=_mesh(int(devices)), memory_budget="80GB")
+    return {"case": name, **plan.timings, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "step_ms": plan.predicted_step_time * 1e3, "mem_gb": plan.memory_per_device / 1e9,
+            "solver": plan.solver.get("status", "")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", choices=CASES)
+    ap.add_argument("--profile", choices=CASES)
+    args = ap.parse_args()
+    if args.profile:
+        import cProfile
+        import pstats
+        cProfile.runctx("run_case(args.profile)", globals(), {"args": args, "run_case": run_case}, "/tmp/plan.prof")
+        pstats.Stats("/tmp/plan.prof").sort_stats("cumulative").print_stats(30)
+        return
+    if args.case:
+        print(json.dumps(run_case(args.case)))
+        return
+    print(f"{'case':<14}" + "".join(f"{p:>17}" for p in PHASES) + f"{'peak RSS MB':>13}{'step ms':>9}{'GB/dev':>8}")
+    for name in CASES:
+        out = subprocess.run([sys.executable, __file__, "--case", name], capture_output=True, text=True)
+        if out.returncode != 0:
+            print(f"{name:<14} failed: {out.stderr.strip().splitlines()[-1:]}")
+            continue
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"{name:<14}" + "".join(f"{row.get(p, 0.0):>17.2f}" for p in PHASES)
+              + f"{row['rss_mb']:>13.0f}{row['step_ms']:>9.2f}{row['mem_gb']:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""autopar.plan() end to end on meta models: auto never loses to a forced recipe, budgets hold,
+and an impossible budget raises InfeasiblePlanError with the smallest memory any plan needs."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+import autopar
+import models
+from autopar.errors import InfeasiblePlanError
+
+
+def _plan(case, mesh, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autopar.plan(case.model, case.example_inputs, mesh=mesh, **kw)
+
+
+H100x8 = autopar.Mesh((8,), hardware="h100")
+
+
+@pytest.fixture(scope="module")
+def gpt2_plan():
+    return _plan(models.meta_gpt2_124m(n_layer=12), H100x8, memory_budget="80GB")
+
+
+def test_gpt2_auto_beats_every_recipe(gpt2_plan):
+    p = gpt2_plan
+    assert set(p.baselines) == {"dp", "zero1", "zero2", "zero3", "tp"}
+    for name, b in p.baselines.items():
+        assert b["feasible"], name
+        assert p.predicted_step_time <= b["time"] * (1 + 1e-9), name
+    assert p.memory_per_device <= 80e9
+    assert p.model["parameters"] == 124_439_808   # GPT-2 124M, lm_head tied to wte
+
+
+def test_budget_dp_cannot_meet_still_plans(gpt2_plan):
+    dp_memory = gpt2_plan.baselines["dp"]["memory"]
+    budget = 0.8 * dp_memory
+    p = _plan(models.meta_gpt2_124m(n_layer=12), H100x8, memory_budget=int(budget))
+    assert p.baselines["dp"]["feasible"] is False
+    assert p.feasible and p.memory_per_device <= budget
+    for b in p.baselines.values():
+        if b["feasible"]:
+            assert p.predicted_step_time <= b["time"] * (1 + 1e-9)
+
+
+def test_llama3_8b_shape_plans_on_8_h100():
+    """Llama-3-8B shape (hidden 4096, GQA 32/8 heads, MLP 14336, vocab 128256) at 2 layers for CI;
+    benchmarks/plan_time.py plans the full 32 layers."""
+    p = _plan(models.meta_llama3_8b(num_layers=2, batch=1, seq=2048), H100x8, memory_budget="80GB")
+    assert p.memory_per_device <= 80e9
+    for name, b in p.baselines.items():
+        if b["feasible"]:
+            assert p.predicted_step_time <= b["time"] * (1 + 1e-9), name
+
+
+def test_impossible_budget_names_the_smallest_memory():
+    case = models.meta_mlp(128, 1024)
+    mesh = autopar.Mesh((4,), hardware="a100")
+    with pytest.raises(InfeasiblePlanError) as info:
+        _plan(case, mesh, memory_budget=1000)
+    least = info.value.min_memory_per_device
+    assert 0 < least < float("inf")
+    assert f"{least / 1e9:.3f} GB" in str(info.value)
+    p = _plan(case, mesh, memory_budget=int(least * 1.001) + 1)  # that much is enough
+    assert p.memory_per_device <= least * 1.001 + 1
