@@ -31,27 +31,36 @@ class _Timer(dict):
 
 
 def plan(model, example_inputs, *, mesh, strategy="auto", memory_budget=None, optimizer="adamw", loss_fn=None,
-         time_limit=None, example_kwargs=None, **unsupported) -> Plan:
+         time_limit=None, example_kwargs=None, baselines: bool = True, **unsupported) -> Plan:
     """Capture `model`'s training step, price every way to split it over `mesh`, and pick the fastest
-    that fits `memory_budget` bytes per device (int or "80GB"). One process, fake tensors."""
+    that fits `memory_budget` bytes per device (int or "80GB"). One process, fake tensors.
+    `baselines=False` skips pricing the textbook recipes for comparison (faster; none in the plan)."""
     _reject_unsupported(unsupported)
-    mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
-    budget = parse_bytes(memory_budget) if memory_budget is not None else None
-    wanted = recipes.normalize(strategy, mesh)
-    time_limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
     timer = _Timer()
     with timer("capture"):        # torch.export + joint trace on fake tensors
         captured = capture(model, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn)
     with timer("canonicalize"):   # addmm split, per-phase parameter views
         canonicalize(captured.gm)
+    return plan_captured(captured, model, example_inputs, mesh=mesh, strategy=strategy, memory_budget=memory_budget,
+                         optimizer=optimizer, time_limit=time_limit, baselines=baselines, timer=timer)
+
+
+def plan_captured(captured, model, example_inputs, *, mesh, strategy="auto", memory_budget=None, optimizer="adamw",
+                  time_limit=None, baselines: bool = True, timer=None) -> Plan:
+    """The planning steps after capture (the runtime calls this with the graph it already has)."""
+    mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
+    budget = parse_bytes(memory_budget) if memory_budget is not None else None
+    wanted = recipes.normalize(strategy, mesh)
+    time_limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
+    timer = timer if timer is not None else _Timer()
     with timer("strategies+costs"):  # candidate placements per op, priced in seconds and bytes
         prob = ProblemBuilder(captured, mesh, optimizer).build()
         prob.cg.memory_budget = budget
     with timer("baselines"):      # the textbook recipes under the same cost model
-        baselines, solutions = _baselines(prob, captured, mesh, time_limit)
+        table, solutions = _baselines(prob, captured, mesh, time_limit) if baselines else ({}, {})
     with timer("solve"):          # the ILP over everything, warm-started from the best recipe
         sol, reason = _solve_requested(prob, captured, mesh, wanted, solutions, time_limit)
-    return _assemble(prob, captured, mesh, strategy, wanted, budget, sol, reason, baselines, timer, model,
+    return _assemble(prob, captured, mesh, strategy, wanted, budget, sol, reason, table, timer, model,
                      example_inputs)
 
 
@@ -106,6 +115,8 @@ def _solve_requested(prob, captured, mesh, wanted, solutions, time_limit):
         if best is not None and best.time < sol.time:  # never worse than a recipe it contains
             sol = best
         return sol, ""
+    if len(set(wanted)) == 1 and wanted[0] in solutions:  # already solved as a baseline
+        return solutions[wanted[0]][0], ""
     fixed = _fixed(prob, captured, mesh, wanted)
     try:
         return _solve(prob, fixed=fixed, time_limit=time_limit), ""

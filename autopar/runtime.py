@@ -24,7 +24,7 @@ from autopar.materialize import is_meta, stream_tensors
 from autopar.mesh import Mesh
 from autopar.placement import local_shape
 from autopar.plan import Plan
-from autopar.planner import fingerprint
+from autopar.planner import _reject_unsupported, fingerprint, plan_captured
 from autopar.passes import PassContext, run_passes
 from autopar.passes.context import parse_spec
 
@@ -41,6 +41,13 @@ def _init_distributed() -> tuple[int, int]:
 
 def _device_type() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def _local_device() -> str:
+    if _device_type() == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
 
 
 def _broadcast_plan(plan_fn) -> Plan:
@@ -68,16 +75,17 @@ def autoparallelize(model: nn.Module, example_inputs: tuple, *, mesh=None, strat
                         f"launch with torchrun --nproc_per_node {mesh.size} or pass a mesh of {world}")
     captured = capture(model, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn)
     canonicalize(captured.gm)
+    baselines = kw.pop("baselines", True)
+    _reject_unsupported(kw)
     if plan is None:
-        from autopar.planner import plan as make_plan
-        plan = _broadcast_plan(lambda: make_plan(model, example_inputs, mesh=mesh, strategy=strategy,
-                                                 memory_budget=memory_budget, optimizer=optimizer, loss_fn=loss_fn,
-                                                 time_limit=time_limit, example_kwargs=example_kwargs, **kw))
+        plan = _broadcast_plan(lambda: plan_captured(captured, model, example_inputs, mesh=mesh, strategy=strategy,
+                                                     memory_budget=memory_budget, optimizer=optimizer,
+                                                     time_limit=time_limit, baselines=baselines))
     plan.check_matches(fingerprint(captured, mesh), mesh)
     device_mesh = init_device_mesh(_device_type(), tuple(mesh.shape), mesh_dim_names=tuple(mesh.axis_names))
     ctx = PassContext(plan, tuple(mesh.shape), coords=tuple(device_mesh.get_coordinate()),
                       group_names=tuple(device_mesh.get_group(a).group_name for a in range(mesh.ndim)),
-                      grad_names=tuple(captured.grad_param_names))
+                      grad_names=tuple(captured.grad_param_names), device=_local_device())
     gm = run_passes(captured.gm, ctx, verify=verify)
     return ParallelModule(model, captured, plan, gm, device_mesh, ctx, init_fn=init_fn)
 
@@ -116,12 +124,13 @@ class ParallelModule(nn.Module):
         self._input_specs = [parse_spec(plan.nodes[n.name].outs[0]) for n in captured.placeholders("input")]
         self._input_shapes = [tuple(n.meta["val"].shape) for n in captured.placeholders("input")]
         self._coords = ctx.coords
+        self._device = torch.device(ctx.device)
         self._axis_sizes = ctx.axis_sizes
         self._specs = {name: parse_spec(plan.params[name].master) for name in self._param_names}
         for node, name in zip(captured.placeholders("buffer"), self._buffer_names):
             self._specs[name] = parse_spec(plan.nodes[node.name].outs[0])
         if is_meta(model):  # one module at a time: no rank ever holds the whole model
-            for names, tensor in stream_tensors(model, init_fn, device=_device_type()):
+            for names, tensor in stream_tensors(model, init_fn, device=ctx.device):
                 for name in names:
                     if name in self._specs:
                         self._place(name, tensor, name in self._grad_index)
@@ -152,7 +161,7 @@ class ParallelModule(nn.Module):
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise InputError(f"rank {dist.get_rank()}: input {name!r} has shape {got} but the plan was made "
                                  f"for {shape}; re-plan for the new shape or pad/crop the batch")
-            out.append(_local_slice(x, spec, self._coords, self._axis_sizes))
+            out.append(_local_slice(x, spec, self._coords, self._axis_sizes).to(self._device))
         return out
 
     def forward(self, *inputs, **kwargs) -> torch.Tensor:

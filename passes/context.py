@@ -13,6 +13,7 @@ class PassContext:
     coords: tuple[int, ...] = ()       # this rank's coordinate along each mesh axis
     group_names: tuple = ()            # functional-collective group name per mesh axis
     grad_names: tuple = ()             # parameter FQN of each gradient output, in output order
+    device: str = "cpu"                # where this rank computes ("cuda:3" under NCCL)
     disabled: frozenset = frozenset()  # pass names switched off (debugging)
     timings: dict = field(default_factory=dict)
 

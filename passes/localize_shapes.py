@@ -1,7 +1,9 @@
 """localize_shapes: rewrite global sizes baked into op arguments (view, expand, full, slice, ...)
-to this rank's local sizes under the node's planned output spec."""
+to this rank's local sizes under the node's planned output spec, and the capture device baked into
+factory ops (`device=cpu`) to this rank's device."""
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from autopar.rules.localize import SIZE_ARG, localize_args
@@ -11,6 +13,9 @@ from .context import PassContext
 def localize_shapes_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Each shape-carrying op now builds its local shard's shape."""
     for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.kwargs.get("device"), torch.device) \
+                and node.kwargs["device"] != torch.device(ctx.device):
+            node.kwargs = {**node.kwargs, "device": torch.device(ctx.device)}
         if node.op != "call_function" or "autopar_outs" not in node.meta or "val" not in node.meta:
             continue
         packet = getattr(node.target, "overloadpacket", None)

@@ -39,7 +39,7 @@ def train_parallel(rank, world, model, batches, steps, kw):
     from autopar.runtime import autoparallelize
     args, kwargs = batches[0]
     example = tuple(args) + ((kwargs,) if kwargs else ())
-    pmodel = autoparallelize(copy.deepcopy(model), example, verify=True, **kw)
+    pmodel = autoparallelize(copy.deepcopy(model), example, verify=True, baselines=False, **kw)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=LR, eps=EPS)
     losses, memory = [], {}
     for step in range(steps):
