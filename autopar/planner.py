@@ -13,6 +13,7 @@ from autopar.canonicalize import canonicalize
 from autopar.capture import capture
 from autopar.costing import ProblemBuilder
 from autopar.costmodel.memory import format_bytes, parse_bytes
+from autopar.debug import log
 from autopar.errors import InfeasiblePlanError, InputError, SolverTimeLimitWarning
 from autopar.mesh import Mesh
 from autopar.plan import Plan
@@ -26,8 +27,10 @@ class _Timer(dict):
     @contextmanager
     def __call__(self, name):
         start = time.perf_counter()
+        log(2, f"{name} ...")
         yield
         self[name] = self.get(name, 0.0) + time.perf_counter() - start
+        log(1, f"{name}: {self[name]:.2f} s")
 
 
 def plan(model, example_inputs, *, mesh, strategy="auto", memory_budget=None, optimizer="adamw", loss_fn=None,
@@ -56,6 +59,8 @@ def plan_captured(captured, model, example_inputs, *, mesh, strategy="auto", mem
     with timer("strategies+costs"):  # candidate placements per op, priced in seconds and bytes
         prob = ProblemBuilder(captured, mesh, optimizer).build()
         prob.cg.memory_budget = budget
+        log(2, f"cost graph: {len(prob.cg.nodes)} nodes, {len(prob.cg.edges)} edges, "
+               f"{sum(len(s) for s in prob.strategies)} strategies, {len(prob.cg.layer_groups)} layer classes")
     with timer("baselines"):      # the textbook recipes under the same cost model
         table, solutions = _baselines(prob, captured, mesh, time_limit) if baselines else ({}, {})
     with timer("solve"):          # the ILP over everything, warm-started from the best recipe

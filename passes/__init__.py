@@ -32,8 +32,10 @@ def describe() -> str:
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, *, verify: bool = False) -> fx.GraphModule:
+    from autopar.debug import log
     from autopar.ir import verify as verify_ir
     dump = os.environ.get("AUTOPAR_DUMP_DIR")
+    log(2, "passes:\n" + describe())
     for i, (name, fn) in enumerate(PIPELINE, start=1):
         if name in ctx.disabled:
             continue
@@ -42,6 +44,8 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, *, verify: bool = False) ->
         start = time.perf_counter()
         gm = fn(gm, ctx)
         ctx.timings[name] = time.perf_counter() - start
+        log(1, f"pass {name}: {ctx.timings[name] * 1e3:.1f} ms, {len(gm.graph.nodes)} nodes")
+        log(4, f"graph after {name}:\n{gm.code}")
         if dump:
             _dump(dump, f"{i:02d}_{name}_after.py", gm)
         if verify:

@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from autopar.placement import R, is_partial, is_shard, local_shape
+from autopar.debug import log
 from autopar.reshard import transitions
 
 from .context import PassContext
@@ -40,6 +41,7 @@ class _Emitter:
     def collective(self, kind: str, axis: int, target, *args) -> fx.Node:
         wait = self.call(c10d.wait_tensor.default, self.call(target, *args))
         wait.meta["autopar_collective"] = dict(kind=kind, axis=self.ctx.axis_names[axis], **self.info)
+        log(3, f"{kind} on axis {self.ctx.axis_names[axis]} ({self.info['phase']}): {self.info['reason']}")
         return wait
 
     def to_front(self, x: fx.Node, d: int, ndim: int) -> fx.Node:
