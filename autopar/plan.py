@@ -108,6 +108,10 @@ class Plan:
         from autopar.report import explain
         return explain(self, name)
 
+    def to_html(self, path) -> None:
+        from autopar.html import to_html
+        to_html(self, path)
+
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> str:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
