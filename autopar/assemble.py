@@ -137,8 +137,11 @@ def candidates(prob: Problem, choice: np.ndarray, budget: float | None) -> dict[
                 row["verdict"] = f"over the memory budget by {new_mem - budget:.0f} B"
             elif delta_t > 0:
                 row["verdict"] = f"slower by {delta_t:.3g} s"
+            elif delta_t == 0:
+                row["verdict"] = "ties with the chosen strategy"
             else:
-                row["verdict"] = "no faster alone; the joint optimum keeps the neighbours consistent"
+                row["verdict"] = (f"faster alone by {-delta_t:.3g} s, but identical layers share one choice "
+                                  "(the solve tiles whole layers) or the solver stopped at its time limit")
         key = node.meta["autopar_name"] if is_param else node.name
         out[key] = rows
     return out

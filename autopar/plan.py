@@ -120,13 +120,13 @@ class Plan:
         data["nodes"] = {k: asdict(v) for k, v in self.nodes.items()}
         data["collectives"] = [asdict(c) for c in self.collectives]
         data["stages"] = [asdict(s) for s in self.stages]
-        return json.dumps({"autopar_plan": FORMAT_VERSION, **data}, indent=1, sort_keys=True, default=_jsonable)
+        return json.dumps({"autopar_plan": FORMAT_VERSION, **data}, indent=1, default=_jsonable)  # graph order kept
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         try:
             data = json.loads(text)
-        except (json.JSONDecodeError, TypeError) as e:
+        except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as e:
             raise PlanFileError(f"not a plan file (invalid JSON: {e}); save plans with plan.save(path)") from None
         if not isinstance(data, dict) or data.pop("autopar_plan", None) != FORMAT_VERSION:
             raise PlanFileError("not an autopar plan (missing or unknown 'autopar_plan' version); "
@@ -142,8 +142,12 @@ class Plan:
 
     @classmethod
     def load(cls, path) -> "Plan":
-        with open(path) as f:
-            return cls.from_json(f.read())
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            return cls.from_json(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise PlanFileError(f"{path} is not a plan file (not UTF-8 JSON); save plans with plan.save(path)") from None
 
     def check_matches(self, fingerprint: str, mesh: Mesh) -> None:
         """Refuse a plan made for another graph (model, input shapes) or mesh."""

@@ -17,7 +17,7 @@ from typing import Callable
 import torch.fx as fx
 
 from autopar.errors import InputError
-from autopar.placement import R, S, is_partial, is_shard
+from autopar.placement import P, R, S, is_partial, is_shard
 from autopar.params import ParamStrategy, zero_dim
 from autopar.rules import OpCall
 from autopar.strategies import StrategyEnumerator, is_getitem, val_of
@@ -73,7 +73,7 @@ def _rank(outs) -> int:
 def _best(enum: StrategyEnumerator, node: fx.Node, have: list):
     call = OpCall(node, val_of)
     fits = [s for s in enum._axis_strategies(call)
-            if all(want == got or (got == R and is_shard(want)) for want, got in zip(s.ins, have))]
+            if all(want == got or (got == R and (is_shard(want) or want == P)) for want, got in zip(s.ins, have))]
     fits = [s for s in fits if enum._fits(tuple((p,) if p is not None else None for p in s.outs), call.outs,
                                         tuple((p,) for p in s.ins), _in_info(call))]
     if not fits or not have:  # factories (no tensor inputs) stay replicated
@@ -106,7 +106,10 @@ def restriction(gm: fx.GraphModule, recipes: tuple[str, ...], axis_sizes: tuple[
         outs = strat.outs
         if isinstance(strat, ParamStrategy):
             mode = strat.modes[axis]
-            if recipe == "tp":
+            if recipe == "tp":  # Megatron: weight matrices are split; vectors may stay whole
+                shape = tuple(val_of(node).shape)
+                if len(shape) >= 2 and any(d % axis_sizes[axis] == 0 for d in shape):
+                    return mode == "shard"
                 return mode in ("dp", "shard")
             wanted = PARAM_MODE[recipe]
             if wanted == "shard":

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import UnsupportedOpWarning
-from autopar.placement import R, divides, is_partial, spec_str
+from autopar.placement import R, Shard, divides, is_partial, spec_str
 from autopar.rules import AxisStrategy, OpCall, find_rule
 
 
@@ -95,13 +95,64 @@ class StrategyEnumerator:
                 continue
             if not divides(spec, info.shape, self.axis_sizes):
                 return False
-            if not info.dtype.is_floating_point and any(is_partial(p) for p in spec):
+            if not _partial_ok(info.dtype, spec):
                 return False
         for spec, (shape, dtype) in zip(ins, in_shapes):
             if shape is None:
                 continue
             if not divides(spec, shape, self.axis_sizes):
                 return False
-            if not dtype.is_floating_point and any(is_partial(p) for p in spec):
+            if not _partial_ok(dtype, spec):
                 return False
         return True
+
+
+def _partial_ok(dtype: torch.dtype, spec) -> bool:
+    """Float tensors may be any Partial; integer ones only sums (exact); bools never."""
+    if dtype.is_floating_point:
+        return True
+    if dtype == torch.bool:
+        return not any(is_partial(p) for p in spec)
+    return all(p.reduce_op == "sum" for p in spec if is_partial(p))
+
+
+def _producer(node: fx.Node) -> tuple[fx.Node, int]:
+    if is_getitem(node):
+        return node.args[0], int(node.args[1])
+    return node, 0
+
+
+def prune_partials(nodes: list[fx.Node], strategies: list[list[NodeStrategy]]) -> list[list[NodeStrategy]]:
+    """Drop strategies whose Partial placements can only carry a Partial made for free (exact).
+
+    A Partial on mesh axis a is *genuine* when it comes from split work: an op with a Shard input on
+    axis a and no Partial one there (a contraction split, a reduction over a sharded dim, a layer-norm
+    backward), or a Partial input whose producer can output a genuine Partial of that kind. Any other
+    Partial was made from a Replicate value (R -> P is free) or by a factory; replacing it by
+    Replicate on axis a, at every node of such a chain at once, keeps the compute and memory (P and R
+    both hold the whole tensor, neither splits work) and never raises a reshard cost (R -> x is free,
+    P -> x is not), so an optimal plan survives. `nodes` must be in graph (topological) order.
+    """
+    kinds: dict[fx.Node, list[set]] = {}  # node -> per output: {(axis, partial)} it can emit
+    out = []
+    for node, strats in zip(nodes, strategies):
+        ins = [_producer(a) for a in node.all_input_nodes]
+        keep = [s for s in strats if _genuine(s, ins, kinds)] or strats[:1]
+        kinds[node] = [{(a, p) for s in keep if s.outs[i] is not None for a, p in enumerate(s.outs[i])
+                        if is_partial(p)} for i in range(max((len(s.outs) for s in keep), default=0))]
+        out.append(keep if len(keep) < len(strats) else strats)
+    return out
+
+
+def _genuine(s: NodeStrategy, ins: list[tuple[fx.Node, int]], kinds: dict) -> bool:
+    axes = {a for spec in (*s.outs, *s.ins) if spec is not None for a, p in enumerate(spec) if is_partial(p)}
+    for a in axes:
+        partial_in = [(j, spec[a]) for j, spec in enumerate(s.ins) if is_partial(spec[a])]
+        if partial_in:
+            emits = [kinds.get(ins[j][0], []) for j, _ in partial_in]
+            if not any(ins[j][1] < len(e) and (a, p) in e[ins[j][1]]
+                       for (j, p), e in zip(partial_in, emits)):
+                return False
+        elif not any(isinstance(spec[a], Shard) for spec in s.ins):
+            return False
+    return True

@@ -17,6 +17,8 @@ def split(x: torch.Tensor, p, n: int, gen: torch.Generator) -> list[torch.Tensor
     if isinstance(p, Shard):
         return [c.clone() for c in torch.chunk(x, n, dim=p.dim)]
     x = x.detach()
+    if not x.is_floating_point():  # integer sums: rank 0 holds the value, the others zeros
+        return [x.clone() if r == 0 else torch.zeros_like(x) for r in range(n)]
     finite = torch.isfinite(x)
     scale = float(x[finite].abs().max()) if finite.any() else 1.0  # keep noise at the data's scale
     noise = [torch.randn(x.shape, generator=gen, dtype=x.dtype) * scale * finite for _ in range(n)]
