@@ -60,3 +60,18 @@ def train_parallel(rank, world, model, batches, steps, kw):
 
 def train_many(rank, world, model, batches, steps, kws):
     return [train_parallel(rank, world, model, batches, steps, kw) for kw in kws]
+
+
+def build_from_meta(rank, world, config, strategy, seed):
+    """A meta-device GPT materialised by autoparallelize: each rank keeps only its shards."""
+    from autopar.runtime import autoparallelize
+    from examples.gpt import GPT
+    with torch.device("meta"):
+        model = GPT(config)
+    ids = torch.zeros(4, config.block_size, dtype=torch.long)
+    torch.manual_seed(seed)
+    pmodel = autoparallelize(model, (ids, ids), strategy=strategy, init_fn=GPT._init_weights, baselines=False)
+    local = {n: tuple(p.to_local().shape) for n, p in pmodel.named_parameters()}
+    assert all(p.is_meta for p in model.parameters()), "the user's model must stay on meta"
+    return {"state": pmodel.full_state_dict(), "local": local,
+            "params": {n: (p.shape, p.master) for n, p in pmodel.plan.params.items()}}

@@ -71,3 +71,25 @@ def test_matches_single_process(name, world):
         mem = results[0][i]["memory"]
         assert mem["params"] + mem["buffers"] == pytest.approx(plan.memory_breakdown["params"]), label
         assert mem["optimizer"] == pytest.approx(plan.memory_breakdown["optimizer"]), label
+
+
+def test_meta_model_materialises_only_local_shards():
+    from dist_cases import build_from_meta
+    from examples.gpt import GPT, GPTConfig
+    from autopar.placement import from_str, local_shape
+    config = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    results = run_distributed(build_from_meta, 2, config, "zero3", 123, timeout=600)
+    with torch.device("meta"):
+        ref = GPT(config)
+    ref.to_empty(device="cpu")
+    ref.lm_head.weight = ref.transformer.wte.weight
+    torch.manual_seed(123)
+    ref.apply(GPT._init_weights)  # the same random draws, in the same order, on one device
+    for res in results:
+        for key, want in ref.state_dict().items():
+            torch.testing.assert_close(res["state"][key], want, rtol=0, atol=0)
+        for name, (shape, master) in res["params"].items():
+            spec = tuple(from_str(s) for s in master)
+            assert res["local"][name] == local_shape(spec, tuple(shape), (2,)), name
+    sharded = [n for n, (shape, master) in results[0]["params"].items() if master != ("R",)]
+    assert sharded, "zero3 shards parameters"
