@@ -10,6 +10,9 @@
     lower_collectives
                   + no redistribute node survives; every functional collective names the process
                   group of a real mesh axis and is followed by its wait_tensor.
+    bucket_collectives
+                  + gradient collectives may be fused (fused_all_reduce / fused_reduce_scatter nodes
+                  listing the logical collectives they carry in meta["autopar_fused"]).
     localize_shapes
                   + the program runs on LOCAL shapes: propagating fake tensors of each input's
                   local shape (parameters: the plan's master shard) gives every planned op the
@@ -28,6 +31,9 @@ COLLECTIVES = {c10d.all_gather_into_tensor.default, c10d.all_reduce.default, c10
                c10d.all_to_all_single.default}
 
 
+LOCAL_PASSES = ("lower_collectives", "bucket_collectives")  # their nodes are born local: no global val
+
+
 class IRError(AssertionError):
     """An invariant between passes is broken: a bug in autopar, not the user's mistake."""
 
@@ -39,6 +45,7 @@ def verify(gm: fx.GraphModule, stage: str, ctx=None) -> None:
         "apply_plan": (_captured, _planned),
         "insert_redistribute": (_captured, _planned, _consistent),
         "lower_collectives": (_captured, _lowered),
+        "bucket_collectives": (_captured, _lowered),
         "localize_shapes": (_captured, _lowered, _local),
     }
     if stage not in checks:
@@ -56,14 +63,14 @@ def _captured(gm, ctx) -> None:
         if node.op == "placeholder" and "autopar_role" not in node.meta:
             _fail(node, "placeholder without autopar_role")
         if node.op in ("placeholder", "call_function") and "val" not in node.meta \
-                and node.meta.get("autopar_pass") != "lower_collectives":
+                and node.meta.get("autopar_pass") not in LOCAL_PASSES:
             _fail(node, "no meta['val']")
 
 
 def _planned(gm, ctx) -> None:
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "call_function") and node.meta.get("val") is not None \
-                and "autopar_outs" not in node.meta and node.meta.get("autopar_pass") != "lower_collectives":
+                and "autopar_outs" not in node.meta and node.meta.get("autopar_pass") not in LOCAL_PASSES:
             _fail(node, "no planned placement after apply_plan")
 
 
@@ -126,7 +133,7 @@ def _local(gm, ctx) -> None:
     for node, got in env.items():
         if node.op != "call_function" or "autopar_outs" not in node.meta or "val" not in node.meta:
             continue
-        if node.meta.get("autopar_pass") == "lower_collectives":
+        if node.meta.get("autopar_pass") in LOCAL_PASSES:
             continue
         vals = got if isinstance(got, (tuple, list)) else (got,)
         gvals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)

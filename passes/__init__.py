@@ -14,6 +14,7 @@ from pathlib import Path
 import torch.fx as fx
 
 from .apply_plan import apply_plan_pass
+from .bucket_collectives import bucket_collectives_pass
 from .context import PassContext
 from .insert_redistribute import insert_redistribute_pass
 from .localize_shapes import localize_shapes_pass
@@ -23,6 +24,7 @@ PIPELINE = (
     ("apply_plan", apply_plan_pass),                    # plan -> node.meta specs
     ("insert_redistribute", insert_redistribute_pass),  # abstract redistribute at every mismatch
     ("lower_collectives", lower_collectives_pass),      # redistribute -> functional collectives
+    ("bucket_collectives", bucket_collectives_pass),    # gradient collectives -> flat 25 MB buckets
     ("localize_shapes", localize_shapes_pass),          # global size arguments -> local
 )
 
@@ -53,11 +55,21 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, *, verify: bool = False) ->
     return gm
 
 
+def emitted_collectives(gm: fx.GraphModule) -> list[dict]:
+    """The logical collectives a lowered program runs (fused buckets expanded), in graph order."""
+    out = []
+    for node in gm.graph.nodes:
+        if "autopar_collective" in node.meta:
+            out.append(node.meta["autopar_collective"])
+        out.extend(node.meta.get("autopar_fused", ()))
+    return out
+
+
 def _dump(folder: str, fname: str, gm: fx.GraphModule) -> None:
     path = Path(folder)
     path.mkdir(parents=True, exist_ok=True)
     (path / fname).write_text(gm.code)
 
 
-__all__ = ["PIPELINE", "PassContext", "run_passes", "describe", "apply_plan_pass", "insert_redistribute_pass",
-           "lower_collectives_pass", "localize_shapes_pass"]
+__all__ = ["PIPELINE", "PassContext", "run_passes", "describe", "emitted_collectives", "apply_plan_pass", "insert_redistribute_pass",
+           "lower_collectives_pass", "bucket_collectives_pass", "localize_shapes_pass"]

@@ -15,3 +15,54 @@ def redistribute(x: torch.Tensor, src: str, dst: str) -> torch.Tensor:
 
 
 redistribute.__module__ = "autopar.passes.ops"
+
+
+BUCKET_BYTES = 25 * 2**20  # as autopar.reshard.BUCKET_BYTES: the cost model prices this bucketing
+
+
+def _buckets(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """Indices grouped by dtype, each group cut into buckets of at most BUCKET_BYTES."""
+    out: list[list[int]] = []
+    by_dtype: dict = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for idxs in by_dtype.values():
+        bucket, size = [], 0
+        for i in idxs:
+            nbytes = tensors[i].numel() * tensors[i].element_size()
+            if bucket and size + nbytes > BUCKET_BYTES:
+                out.append(bucket)
+                bucket, size = [], 0
+            bucket.append(i)
+            size += nbytes
+        out.append(bucket)
+    return out
+
+
+def fused_all_reduce(tensors: list[torch.Tensor], op: str, group: str) -> list[torch.Tensor]:
+    """All-reduce many tensors as few flat buckets (one collective each)."""
+    c10d = torch.ops._c10d_functional
+    out: list = [None] * len(tensors)
+    for bucket in _buckets(tensors):
+        flat = torch.cat([tensors[i].reshape(-1) for i in bucket])
+        flat = c10d.wait_tensor(c10d.all_reduce(flat, op, group))
+        for i, piece in zip(bucket, flat.split([tensors[i].numel() for i in bucket])):
+            out[i] = piece.view(tensors[i].shape)
+    return out
+
+
+def fused_reduce_scatter(tensors: list[torch.Tensor], op: str, n: int, group: str) -> list[torch.Tensor]:
+    """Reduce-scatter many tensors along dim 0 (each (n*a, ...)) as few flat buckets."""
+    c10d = torch.ops._c10d_functional
+    out: list = [None] * len(tensors)
+    for bucket in _buckets(tensors):
+        rows = torch.cat([tensors[i].reshape(n, -1) for i in bucket], dim=1).contiguous()
+        mine = c10d.wait_tensor(c10d.reduce_scatter_tensor(rows, op, n, group)).reshape(-1)
+        sizes = [tensors[i].numel() // n for i in bucket]
+        for i, piece in zip(bucket, mine.split(sizes)):
+            shape = (tensors[i].shape[0] // n, *tensors[i].shape[1:])
+            out[i] = piece.view(shape)
+    return out
+
+
+fused_all_reduce.__module__ = fused_reduce_scatter.__module__ = "autopar.passes.ops"

@@ -52,8 +52,8 @@ def train_parallel(rank, world, model, batches, steps, kw):
                       "buffers": sum(_local_bytes(b) for b in pmodel.buffers()),
                       "optimizer": sum(_local_bytes(v) for s in opt.state.values() for k, v in s.items()
                                        if k != "step")}
-    emitted = Counter((n.meta["autopar_collective"]["kind"], n.meta["autopar_collective"]["phase"])
-                      for n in pmodel.gm.graph.nodes if "autopar_collective" in n.meta)
+    from autopar.passes import emitted_collectives
+    emitted = Counter((c["kind"], c["phase"]) for c in emitted_collectives(pmodel.gm))
     return {"losses": losses, "state": pmodel.full_state_dict(), "plan": pmodel.plan.to_json(),
             "emitted": dict(emitted), "memory": memory}
 

@@ -14,7 +14,7 @@ import autopar
 from autopar.canonicalize import canonicalize
 from autopar.capture import capture
 from autopar.ir import verify
-from autopar.passes import PIPELINE, PassContext, run_passes
+from autopar.passes import PIPELINE, PassContext, emitted_collectives, run_passes
 from autopar.passes.lower_collectives import lower_collectives_pass
 from autopar.passes.ops import redistribute
 from autopar.placement import P, PAVG, R, S, local_shape, spec_str
@@ -67,8 +67,7 @@ def test_megatron_mlp_passes_structure():
             assert len(fwd) == 1
         if name == "lower_collectives":
             assert not redists
-    emitted = Counter((n.meta["autopar_collective"]["kind"], n.meta["autopar_collective"]["phase"])
-                      for n in gm.graph.nodes if "autopar_collective" in n.meta)
+    emitted = Counter((c["kind"], c["phase"]) for c in emitted_collectives(gm))
     assert emitted == Counter((r.kind, r.phase) for r in plan.collectives)
     assert emitted[("all_reduce", "forward")] == 1
     # parameters enter the per-rank program as the plan's local shards
@@ -104,8 +103,9 @@ def test_run_passes_dumps_and_skips(tmp_path, monkeypatch):
     dumped = sorted(p.name for p in tmp_path.iterdir())
     assert dumped == ["01_apply_plan_after.py", "01_apply_plan_before.py", "02_insert_redistribute_after.py",
                       "02_insert_redistribute_before.py", "03_lower_collectives_after.py",
-                      "03_lower_collectives_before.py"]
-    assert set(ctx.timings) == {"apply_plan", "insert_redistribute", "lower_collectives"}
+                      "03_lower_collectives_before.py", "04_bucket_collectives_after.py",
+                      "04_bucket_collectives_before.py"]
+    assert set(ctx.timings) == {"apply_plan", "insert_redistribute", "lower_collectives", "bucket_collectives"}
 
 
 # ------------------------------------------------------------------ lowering numerics on gloo ranks
@@ -183,7 +183,7 @@ def test_lowering_numerics_2d_mesh_nested_shards():
 
 def _emitted(plan, captured):
     gm = run_passes(captured.gm, _ctx(plan, captured), verify=True)
-    return [n.meta["autopar_collective"] for n in gm.graph.nodes if "autopar_collective" in n.meta]
+    return emitted_collectives(gm)
 
 
 @pytest.fixture(scope="module")
