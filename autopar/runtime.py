@@ -161,7 +161,7 @@ class ParallelModule(nn.Module):
                 got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise InputError(f"rank {dist.get_rank()}: input {name!r} has shape {got} but the plan was made "
                                  f"for {shape}; re-plan for the new shape or pad/crop the batch")
-            out.append(_local_slice(x, spec, self._coords, self._axis_sizes).to(self._device))
+            out.append(_local_slice(x, spec, self._coords, self._axis_sizes).contiguous().to(self._device))
         return out
 
     def forward(self, *inputs, **kwargs) -> torch.Tensor:

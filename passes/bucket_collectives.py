@@ -11,6 +11,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.fx.passes.tools_common import legalize_graph
 
 from .context import PassContext
 from .ops import fused_all_reduce, fused_reduce_scatter
@@ -33,14 +34,14 @@ def bucket_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
             if coll.target in FUSIBLE:
                 key = (coll.target, *coll.args[1:])  # op (and n) and group name
                 groups.setdefault(key, []).append(node)
-    out_node = gm.graph.output_node()
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for key, waits in groups.items():
         if len(waits) < 2:
             continue
         target, *rest = key
         inputs = [w.args[0].args[0] for w in waits]
         fn = fused_all_reduce if target is c10d.all_reduce.default else fused_reduce_scatter
-        with gm.graph.inserting_before(out_node):
+        with gm.graph.inserting_after(max(inputs, key=order.get)):  # users are re-sorted below
             fused = gm.graph.call_function(fn, (inputs, *rest))
             outs = [gm.graph.call_function(operator.getitem, (fused, i)) for i in range(len(waits))]
         fused.meta.update(autopar_fused=[w.meta["autopar_collective"] for w in waits], phase="backward",
@@ -53,6 +54,7 @@ def bucket_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
             coll = w.args[0]
             gm.graph.erase_node(w)
             gm.graph.erase_node(coll)
+    legalize_graph(gm)  # users of an early gradient now follow the fused node
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -38,6 +38,11 @@ class _Emitter:
                          module_path=self.anchor.meta.get("module_path", ""))
         return node
 
+    def call_kw(self, target, args: tuple, kwargs: dict) -> fx.Node:
+        node = self.call(target, *args)
+        node.kwargs = kwargs
+        return node
+
     def collective(self, kind: str, axis: int, target, *args) -> fx.Node:
         wait = self.call(c10d.wait_tensor.default, self.call(target, *args))
         wait.meta["autopar_collective"] = dict(kind=kind, axis=self.ctx.axis_names[axis], **self.info)
@@ -101,6 +106,18 @@ def _all_to_all(em: _Emitter, x: fx.Node, i: int, j: int, axis: int, shape: tupl
     return em.call(aten.cat.default, pieces, i)
 
 
+def _restore_layout(em: _Emitter, y: fx.Node, val: torch.Tensor) -> fx.Node:
+    """A dense copy of y whose dims are laid out in memory in the original value's order (e.g. the
+    CPU attention kernel returns B,H,S,D stored as B,S,H,D; later views rely on that)."""
+    order = sorted(range(val.dim()), key=lambda d: (-val.stride(d), d))
+    if order == list(range(val.dim())):
+        return em.call_kw(aten.clone.default, (y,), {"memory_format": torch.contiguous_format})
+    inverse = [order.index(d) for d in range(val.dim())]
+    dense = em.call_kw(aten.clone.default, (em.call(aten.permute.default, y, order),),
+                       {"memory_format": torch.contiguous_format})
+    return em.call(aten.permute.default, dense, inverse)
+
+
 def _lower_one(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> None:
     x, src, dst = node.args[0], node.meta["autopar_src"], node.meta["autopar_outs"][0]
     info = dict(phase=node.meta.get("phase", "forward"), reason=node.meta.get("autopar_reason", ""),
@@ -113,6 +130,8 @@ def _lower_one(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> None:
         lshape = local_shape(tuple(current), gshape, ctx.axis_sizes)
         y = _axis(em, y, frm, to, axis, lshape)
         current[axis] = to
+    if y is not x:  # permutes and slices leave strides the graph's later views never saw
+        y = _restore_layout(em, y, node.meta["val"])
     y.meta["autopar_outs"] = (tuple(dst),)
     node.replace_all_uses_with(y)
     gm.graph.erase_node(node)

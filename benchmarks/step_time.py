@@ -1,0 +1,248 @@
+"""Measured training step time: autopar's plans against PyTorch's own parallelism, same GPT.
+
+    torchrun --nproc_per_node 2 benchmarks/step_time.py                  # ~3-5 minutes on 2 shared cores
+    torchrun --nproc_per_node 2 benchmarks/step_time.py --profile dp,DDP  # + torch.profiler op tables
+
+One step = zero_grad + forward + backward + AdamW step. Every variant is built once, then the
+variants take turns (`--rounds` rounds of `--steps` timed steps each, after `--warmup` untimed
+steps) so that load from other processes on a shared machine hits them all alike. A step's time is
+the slowest rank's (all_reduce MAX), and the table shows the median over all timed steps.
+
+Variants (same seeded GPT, same global batch):
+  autopar dp / zero3 / tp / auto   `autoparallelize(model, (x, y), strategy=...)`; every rank passes
+                                   the global batch, the plan keeps each rank's slice.
+  DDP                              DistributedDataParallel over this rank's half of the batch.
+  FSDP2                            `fully_shard` on every block, then the root; this rank's half.
+  TP                               `parallelize_module`: ColwiseParallel c_attn / c_fc, RowwiseParallel
+                                   attn.c_proj / mlp.c_proj, everything else replicated; full batch.
+                                   examples/gpt.py's attention reshapes with the global n_head and
+                                   splits the fused qkv output in thirds, both wrong on a column
+                                   shard, so for TP each block's attention is swapped for
+                                   `LocalHeadAttention` (same Linear modules, head count read from
+                                   the local width) and c_attn's rows are reordered so that rank r's
+                                   contiguous shard holds [q_r; k_r; v_r] (its own heads).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from autopar.runtime import autoparallelize  # noqa: E402
+from examples.gpt import GPT, GPTConfig  # noqa: E402
+
+AUTOPAR = ("dp", "zero3", "tp", "auto")
+NATIVE = {"dp": "DDP", "zero3": "FSDP2", "tp": "TP"}
+
+
+class LocalHeadAttention(nn.Module):
+    """Causal attention over this rank's heads: widths come from c_attn's (local) output."""
+
+    def __init__(self, attn: nn.Module, head_size: int):
+        super().__init__()
+        self.c_attn, self.c_proj, self.head_size = attn.c_attn, attn.c_proj, head_size
+
+    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTC.shape
+        qkv = self.c_attn(x_BTC)
+        width = qkv.shape[-1] // 3
+        q, k, v = (t.view(B, T, width // self.head_size, self.head_size).transpose(1, 2)
+                   for t in qkv.split(width, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, width))
+
+
+def _interleave_qkv(linear: nn.Linear, world: int) -> None:
+    """Reorder the fused [q; k; v] rows so that a contiguous 1/world chunk is [q_r; k_r; v_r]."""
+    with torch.no_grad():
+        for p in (linear.weight, linear.bias):
+            if p is None:
+                continue
+            q, k, v = (t.chunk(world) for t in p.chunk(3))
+            p.copy_(torch.cat([torch.cat([q[r], k[r], v[r]]) for r in range(world)]))
+
+
+def build_native(kind: str, model: GPT, world: int):
+    """The PyTorch-native variant of `model`: (module, takes_local_half_of_batch)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    model = copy.deepcopy(model)
+    if kind == "DDP":
+        return nn.parallel.DistributedDataParallel(model), True
+    mesh = init_device_mesh("cpu", (world,))
+    if kind == "FSDP2":
+        from torch.distributed.fsdp import fully_shard
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh), True
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    head_size = model.config.n_embd // model.config.n_head
+    for block in model.transformer.h:
+        _interleave_qkv(block.attn.c_attn, world)
+        block.attn = LocalHeadAttention(block.attn, head_size)
+        parallelize_module(block, mesh, {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
+                                         "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
+    return model, False
+
+
+class Variant:
+    """One way of training the model: a step function over the global batch, and its timings."""
+
+    def __init__(self, name: str, kind: str, module: nn.Module, step_fn, lr: float = 1e-3):
+        self.name, self.kind, self.module = name, kind, module
+        self.opt = torch.optim.AdamW(module.parameters(), lr=lr)
+        self._step_fn = step_fn
+        self.times: list[float] = []
+        self.opt_times: list[float] = []   # this rank's optimizer step alone
+        self.losses: list[float] = []
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        self.opt.zero_grad(set_to_none=True)
+        loss = self._step_fn(x, y)
+        t0 = time.perf_counter()
+        self.opt.step()
+        self.opt_times.append(time.perf_counter() - t0)
+        return loss
+
+
+def make_variants(model: GPT, example, world: int, rank: int, which: list[str]) -> list[Variant]:
+    out = []
+    for strategy in [s for s in AUTOPAR if s in which]:
+        t0 = time.perf_counter()
+        pmodel = autoparallelize(copy.deepcopy(model), example, strategy=strategy)
+        v = Variant(f"autopar {strategy}", strategy, pmodel, lambda x, y, m=pmodel: m.train_step(x, y).item())
+        v.setup_s = time.perf_counter() - t0
+        v.predicted = pmodel.plan.predicted_step_time
+        out.append(v)
+    for strategy, kind in NATIVE.items():
+        if kind not in which:
+            continue
+        t0 = time.perf_counter()
+        module, local = build_native(kind, model, world)
+
+        def fn(x, y, m=module, local=local):
+            if local:
+                x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+            loss = m(x, y)
+            loss.backward()
+            return loss.item()
+        v = Variant(kind, strategy, module, fn)
+        v.setup_s, v.predicted = time.perf_counter() - t0, None
+        out.append(v)
+    return out
+
+
+def warm_up(v: Variant, batches, steps: int, rank: int) -> bool:
+    """Untimed steps; a variant that raises (on every rank alike: same plan, same shapes) is dropped
+    from the table with its error, so one broken plan does not hide the other figures."""
+    error = ""
+    try:
+        for i in range(steps):
+            v.step(*batches[i % len(batches)])
+    except Exception as e:  # reported, not hidden: the table says which variant failed and why
+        error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    failed = torch.tensor([1.0 if error else 0.0])
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item() and rank == 0:
+        print(f"{v.name} FAILED and is left out: {error or 'on another rank'}", flush=True)
+    return not failed.item()
+
+
+def timed_step(v: Variant, x, y) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    v.losses.append(v.step(x, y))
+    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    return dt.item()
+
+
+def profile_step(v: Variant, x, y, rank: int, top: int = 22) -> str:
+    """torch.profiler over one step of `v` on every rank; returns rank 0's table of ops by own CPU time
+    (aten kernels, collectives and their waits, Python-level wrappers)."""
+    from torch.profiler import ProfilerActivity, profile
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        v.step(x, y)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=48)
+    return table if rank == 0 else ""
+
+
+def report(variants: list[Variant]) -> str:
+    med = {v.name: statistics.median(v.times) for v in variants}
+    natives = [v for v in variants if not v.name.startswith("autopar")]
+    lines = [f"{'variant':<16}{'median s/step':>14}{'min':>9}{'optim':>8}{'predicted':>11}{'setup s':>9}   ratio",
+             "-" * 82]
+    for v in variants:
+        ratio = ""
+        if v.name.startswith("autopar") and v.kind in NATIVE and NATIVE[v.kind] in med:
+            ratio = f"{med[v.name] / med[NATIVE[v.kind]]:.2f}x {NATIVE[v.kind]}"
+        elif v.kind == "auto" and natives:
+            best = min(natives, key=lambda n: med[n.name])
+            ratio = f"{med[v.name] / med[best.name]:.2f}x best native ({best.name})"
+        pred = f"{v.predicted:.4f}" if v.predicted is not None else "-"
+        opt = statistics.median(v.opt_times)
+        lines.append(f"{v.name:<16}{med[v.name]:>14.4f}{min(v.times):>9.4f}{opt:>8.4f}{pred:>11}{v.setup_s:>9.1f}"
+                     f"   {ratio}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="autopar vs PyTorch-native step time")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--embd", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--block", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6, help="timed steps per variant per round")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--only", default=",".join(AUTOPAR + tuple(NATIVE.values())),
+                   help="comma list of variants: dp,zero3,tp,auto,DDP,FSDP2,TP")
+    p.add_argument("--profile", default=None, help="profile one step of these variants, e.g. dp,DDP")
+    args = p.parse_args(argv)
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=args.vocab, block_size=args.block, n_layer=args.layers, n_head=args.heads,
+                       n_embd=args.embd)
+    model = GPT(config)
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, args.vocab, (args.batch, args.block), generator=gen),
+                torch.randint(0, args.vocab, (args.batch, args.block), generator=gen)) for _ in range(4)]
+    variants = make_variants(model, batches[0], world, rank, args.only.split(","))
+    if rank == 0:
+        print(f"world {world}, threads/rank {torch.get_num_threads()}, GPT {args.layers}L {args.embd}d "
+              f"{args.heads}h vocab {args.vocab}, batch {args.batch}x{args.block}, "
+              f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params", flush=True)
+    variants = [v for v in variants if warm_up(v, batches, args.warmup, rank)]
+    for _ in range(args.rounds):
+        for v in variants:
+            v.times += [timed_step(v, *batches[i % len(batches)]) for i in range(args.steps)]
+    if rank == 0:
+        print(report(variants))
+        print("median s/step: slowest rank, barrier to barrier; optim: rank 0's AdamW step alone; predicted: "
+              "the plan's cost-model estimate")
+        print("first timed loss on rank 0 (same init and batches; DDP/FSDP2: rank 0's half of the batch):",
+              {v.name: round(v.losses[0], 4) for v in variants})
+    for name in filter(None, (args.profile or "").split(",")):
+        target = next(v for v in variants if v.name in (name, f"autopar {name}"))
+        text = profile_step(target, *batches[0], rank)
+        if rank == 0:
+            print(f"\ntorch.profiler, one {target.name} step on rank 0, by own CPU time:\n{text}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
