@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from autopar.placement import replicated, spec_str
+from autopar.strategies import is_getitem
 from .context import PassContext, value_spec
 from .ops import redistribute
 
@@ -39,7 +40,8 @@ def _zero_params(gm: fx.GraphModule) -> None:
 
 def _op_inputs(gm: fx.GraphModule) -> None:
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or "autopar_ins" not in node.meta or node.target is redistribute:
+        if node.op != "call_function" or "autopar_ins" not in node.meta or node.target is redistribute \
+                or is_getitem(node):  # a getitem reads its producer's output as it is, by construction
             continue
         if node.meta.get("autopar_pass") == "insert_redistribute":
             continue
