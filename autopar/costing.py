@@ -26,7 +26,7 @@ from autopar.costmodel.memory import optimizer_state_bytes_per_param
 from autopar.params import ParamStrategy, input_strategies, param_memory, param_strategies
 from autopar.placement import Shard, local_fraction, replicated
 from autopar.reshard import ReshardCost
-from autopar.strategies import NodeStrategy, StrategyEnumerator, is_getitem, val_of
+from autopar.strategies import NodeStrategy, StrategyEnumerator, is_getitem, prune_partials, val_of
 
 # "params" are the stored (master) shards and buffers; "gathered_params" the whole copies ZeRO-1/2
 # gather once per step; "activations" the forward values kept for backward.
@@ -120,7 +120,8 @@ def saved_values(gm: fx.GraphModule) -> set[tuple[fx.Node, int]]:
 
 
 class ProblemBuilder:
-    def __init__(self, captured, mesh, optimizer: str = "adamw", enumerator: StrategyEnumerator | None = None):
+    def __init__(self, captured, mesh, optimizer: str = "adamw", enumerator: StrategyEnumerator | None = None,
+                 prune: bool = True):
         self.captured = captured
         self.gm = captured.gm
         self.mesh = mesh
@@ -129,6 +130,8 @@ class ProblemBuilder:
         self.optimizer = optimizer
         self.enumerate = enumerator or StrategyEnumerator(self.axis_sizes)
         self.reshard = ReshardCost(mesh)
+        self._matrices: dict[tuple, np.ndarray] = {}
+        self.prune = prune  # False keeps every rule strategy (tests compare the optima)
 
     def build(self, allowed=None) -> Problem:
         """`allowed(node, strategies) -> strategies` may restrict choices (forced recipes)."""
@@ -143,6 +146,8 @@ class ProblemBuilder:
                 raise AssertionError(f"no strategy left for {node.name}")
             nodes.append(node)
             strats.append(cands)
+        if self.prune:
+            strats = _same_across_layers(nodes, strats, prune_partials(nodes, strats))
         prob = Problem(self.gm, self.mesh, nodes, strats, [], [], [], [], reshard=self.reshard)
         prob.index = {n: i for i, n in enumerate(nodes)}
         prob.param_index = {n.meta["autopar_name"]: prob.index[n] for n in nodes
@@ -246,7 +251,14 @@ class ProblemBuilder:
         return small[np.ix_(_index_of(src_specs), _index_of(dst_specs))]
 
     def _spec_matrix(self, a_specs, b_specs, nbytes: float, bucketed: bool) -> np.ndarray:
-        """reshard(a -> b) over the unique specs of each side, in first-seen order."""
+        """reshard(a -> b) over the unique specs of each side, in first-seen order; identical layers
+        repeat the same (specs, specs, bytes), so each distinct matrix is priced once."""
+        key = (tuple(a_specs), tuple(b_specs), float(nbytes), bucketed)
+        if key not in self._matrices:
+            self._matrices[key] = self._price_specs(a_specs, b_specs, nbytes, bucketed)
+        return self._matrices[key]
+
+    def _price_specs(self, a_specs, b_specs, nbytes: float, bucketed: bool) -> np.ndarray:
         return np.array([[self.reshard.time(a, b, nbytes, bucketed) for b in dict.fromkeys(b_specs)]
                          for a in dict.fromkeys(a_specs)])
 
@@ -258,6 +270,28 @@ class ProblemBuilder:
             src, dst, mat = e.src, e.dst, self.edge_matrix(prob, e)
             edges.append(CostEdge(src, dst, mat))
         return CostGraph(nodes, edges, layer_groups=layer_groups(prob))
+
+
+def _same_across_layers(nodes: list[fx.Node], full: list[list], pruned: list[list]) -> list[list]:
+    """`prune_partials` (exact) may keep different strategies at the same node of two identical
+    layers (layer 0 reads the embedding, later layers a residual); keeping the union at every layer
+    position restores identical layers, so the solver can still tile them (keeping more is exact)."""
+    slots: dict[tuple, list[int]] = {}
+    count: dict[tuple[str, int], int] = {}
+    for i, node in enumerate(nodes):
+        key = layer_of(node_path(node))
+        if key is not None:
+            pos = count[key] = count.get(key, -1) + 1
+            slots.setdefault((key[0], pos, str(node.target), len(full[i])), []).append(i)
+    out = list(pruned)
+    for members in slots.values():
+        union = set().union(*(pruned[i] for i in members))
+        shared: dict[int, list] = {}  # one list object per distinct full list (recipes memoize by id)
+        for i in members:
+            if id(full[i]) not in shared:
+                shared[id(full[i])] = [s for s in full[i] if s in union]
+            out[i] = shared[id(full[i])]
+    return out
 
 
 def _index_of(specs: list) -> list[int]:
@@ -284,8 +318,7 @@ def node_path(node: fx.Node) -> str:
 def layer_groups(prob: Problem) -> list[list[list[int]]]:
     """Classes of structurally identical layers, each layer a list of node indices in order."""
     layers: dict[tuple[str, int], list[int]] = {}
-    for i, node in enumerate(prob.nodes):
-        key = layer_of(node_path(node))
+    for i, key in enumerate(_layer_keys(prob)):
         if key is not None:
             layers.setdefault(key, []).append(i)
     classes: dict[tuple, list[list[int]]] = {}
@@ -293,6 +326,20 @@ def layer_groups(prob: Problem) -> list[list[list[int]]]:
         sig = (container,) + tuple(_signature(prob, i) for i in idxs)
         classes.setdefault(sig, []).append(idxs)
     return [layers_ for layers_ in classes.values() if len(layers_) > 1]
+
+
+def _layer_keys(prob: Problem) -> list[tuple[str, int] | None]:
+    """Each node's layer. The gradient sums autograd inserts (backward adds, e.g. of the residual
+    stream) have no module path; each joins the lowest layer among its inputs'. Otherwise those
+    nodes, ~10 per layer, sit outside the tiled layers and stay separate nodes in the quotient."""
+    keys: dict[fx.Node, tuple[str, int] | None] = {}
+    for node in prob.nodes:
+        key = layer_of(node_path(node))
+        if key is None and node.target is torch.ops.aten.add.Tensor and node.meta.get("phase") == "backward":
+            found = [keys[p] for p in (resolve(a)[0] for a in node.all_input_nodes) if keys.get(p) is not None]
+            key = min(found) if found else None
+        keys[node] = key
+    return [keys[n] for n in prob.nodes]
 
 
 def _signature(prob: Problem, i: int) -> tuple:

@@ -49,6 +49,7 @@ def _combine(v: int, fids: list[int], factors: dict[int, Factor], size: dict[int
 def variable_elimination(unary: dict[int, np.ndarray], edges: dict[tuple[int, int], np.ndarray],
                          max_table: int = 4_000_000) -> tuple[dict[int, int], float] | None:
     """Exact min-sum over a pairwise cost graph; None when an elimination table exceeds max_table."""
+    unary, edges, constant = _fold_single(unary, edges)
     size = {v: len(c) for v, c in unary.items()}
     factors: dict[int, Factor] = {i: ((v,), c) for i, (v, c) in enumerate(unary.items())}
     holding: dict[int, set[int]] = {v: {i} for i, v in enumerate(unary)}
@@ -59,7 +60,7 @@ def variable_elimination(unary: dict[int, np.ndarray], edges: dict[tuple[int, in
         holding[u].add(fid), holding[v].add(fid), nbrs[u].add(v), nbrs[v].add(u)
     heap = [(_elim_cost(v, nbrs, size), v) for v in unary]
     heapq.heapify(heap)
-    done, trail, constant, next_id = set(), [], 0.0, len(factors)
+    done, trail, next_id = set(), [], len(factors)
     while heap:
         cost, v = heapq.heappop(heap)
         if v in done:
@@ -67,7 +68,7 @@ def variable_elimination(unary: dict[int, np.ndarray], edges: dict[tuple[int, in
         if cost != _elim_cost(v, nbrs, size):
             heapq.heappush(heap, (_elim_cost(v, nbrs, size), v))
             continue
-        if cost > max_table:
+        if cost > max_table or len(nbrs[v]) >= 32:  # numpy tables have at most 64 dims
             return None
         rest, tmin, arg = _combine(v, sorted(holding[v]), factors, size)
         for f in holding.pop(v):
@@ -91,6 +92,25 @@ def variable_elimination(unary: dict[int, np.ndarray], edges: dict[tuple[int, in
     for v, rest, arg in reversed(trail):
         choice[v] = int(arg[tuple(choice[a] for a in rest)])
     return choice, constant
+
+
+def _fold_single(unary: dict[int, np.ndarray], edges: dict[tuple[int, int], np.ndarray]):
+    """Fold every edge touching a one-strategy node into the other end's unary (or a constant):
+    such nodes add no choice, but as factor scopes they would blow up the tables' dimensions."""
+    single = {v for v, c in unary.items() if len(c) == 1}
+    if not single:
+        return unary, edges, 0.0
+    unary, rest, constant = dict(unary), {}, 0.0
+    for (u, v), r in edges.items():
+        if u in single and v in single:
+            constant += float(r[0, 0])
+        elif v in single:
+            unary[u] = unary[u] + r[:, 0]
+        elif u in single:
+            unary[v] = unary[v] + r[0, :]
+        else:
+            rest[u, v] = r
+    return unary, rest, constant
 
 
 def solve_unconstrained(p: Problem, lam: float = 0.0) -> tuple[dict[int, int], float] | None:

@@ -123,9 +123,19 @@ def restriction(gm: fx.GraphModule, recipes: tuple[str, ...], axis_sizes: tuple[
                 (node.op != "placeholder" or got[0] == R)
         return got == want
 
+    memo: dict[tuple, tuple[list, list]] = {}
+
     def allowed(node: fx.Node, strategies: list) -> list:
+        # ops of identical layers share one strategy list: filter it once per batch placement
+        key = None if node.op == "placeholder" else \
+            (id(strategies), tuple(batch[a].get(node) for a, r in enumerate(recipes) if r != "auto"))
+        if key in memo:
+            return memo[key][1]
         keep = [s for s in strategies if all(ok(node, s, a, r) for a, r in enumerate(recipes) if r != "auto")]
-        return keep or strategies[:1]  # nothing matches: the all-Replicate strategy (always first)
+        keep = keep or strategies[:1]  # nothing matches: the all-Replicate strategy (always first)
+        if key is not None:
+            memo[key] = (strategies, keep)  # holding `strategies` keeps its id unique
+        return keep
 
     return allowed
 

@@ -270,3 +270,52 @@ def quotient_layers(cg: CostGraph) -> tuple[CostGraph, np.ndarray]:
                   [CostEdge(u, v, m) for (u, v), m in edges.items()],
                   cg.memory_budget, cg.memory_offset)
     return q, rep
+
+
+def _dominated(p: Problem, v: int, keep: dict[int, np.ndarray], use_memory: bool) -> np.ndarray:
+    """Mask over keep[v]: strategy b is dropped when some a has time, memory (if it counts) and every
+    incident edge row <= b's; of equal strategies the first is kept. Swapping b for a in any plan
+    then never costs more, so an optimum survives (iterating is exact for the same reason)."""
+    k = keep[v]
+    cols = [p.time[v][k][:, None]]
+    if use_memory:
+        cols.append(p.memory[v][k][:, None])
+    cols += [p.edge(v, u)[np.ix_(k, keep[u])] for u in sorted(p.adj[v])]
+    f = np.concatenate(cols, axis=1)
+    le = np.ones((len(k), len(k)), dtype=bool)   # le[a, b]: f[a] <= f[b] everywhere
+    for start in range(0, f.shape[1], 256):    # chunks bound the (k, k, chunk) temporary
+        blk = f[:, start:start + 256]
+        le &= (blk[:, None, :] <= blk[None, :, :]).all(axis=2)
+    first = np.arange(len(k))[:, None] < np.arange(len(k))[None, :]
+    beats = le & (~le.T | first)                 # a strictly better, or equal and earlier
+    np.fill_diagonal(beats, False)
+    return beats.any(axis=0)
+
+
+def compact(p: Problem) -> tuple[Problem, dict[int, np.ndarray]] | None:
+    """Drop forbidden strategies (arc consistency) and dominated ones, to a fixpoint; exact.
+
+    Returns the smaller problem and keep[i] (original index of each kept strategy of node i), or None
+    when some node has no allowed strategy left (no plan exists). On 2-D meshes nodes carry up to
+    ~64 per-axis products, most of them dominated; pruning them keeps the DP tables small."""
+    q = p.copy()
+    arc_consistency(q)
+    keep = {i: np.flatnonzero(np.isfinite(t)) for i, t in q.time.items()}
+    if any(len(k) == 0 for k in keep.values()):
+        return None
+    use_memory = p.budget is not None
+    todo = set(q.time)
+    while todo:
+        nxt: set[int] = set()
+        for v in sorted(todo):
+            if len(keep[v]) > 1:
+                dom = _dominated(q, v, keep, use_memory)
+                if dom.any():
+                    keep[v] = keep[v][~dom]
+                    nxt.update(q.adj[v])
+        todo = nxt
+    out = Problem(list(p.names), {i: q.time[i][k] for i, k in keep.items()},
+                  {i: q.memory[i][k] for i, k in keep.items()},
+                  {(u, v): m[np.ix_(keep[u], keep[v])] for (u, v), m in q.edges.items()},
+                  {i: set(a) for i, a in q.adj.items()}, p.budget, p.time_offset, p.memory_offset)
+    return out, keep

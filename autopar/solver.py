@@ -20,8 +20,9 @@ CP-SAT needs integers: objective coefficients are rounded to multiples of q = ma
 to whole bytes rounded up (never admits an over-budget plan). Every reported objective and memory
 is recomputed exactly in floating point from the original graph by `evaluate`.
 
-`solve` first solves the problem without the memory row exactly (variable elimination); if that plan
-fits, it is optimal. Otherwise it proves feasibility with `min_memory` (or raises
+`solve` first drops forbidden and dominated strategies (`simplify.compact`, exact), then solves the
+problem without the memory row exactly (variable elimination; HiGHS when the elimination tables are
+too large, as on 2-D meshes, where nodes carry up to ~64 strategies); if that plan fits, it is optimal. Otherwise it proves feasibility with `min_memory` (or raises
 `InfeasiblePlanError`), runs a Lagrangian bisection for a feasible incumbent and a lower bound, then
 the ILP warm-started from the incumbent. A time limit never leaves it without a plan: the
 incumbent, the hint or the minimum-memory plan is returned.
@@ -43,7 +44,7 @@ from ortools.linear_solver import pywraplp
 from .costgraph import CostEdge, CostGraph, CostNode, Solution
 from .dp_oracle import brute_force, lagrangian, solve_unconstrained
 from .errors import InfeasiblePlanError, InputError, SolverError
-from .simplify import Problem, from_costgraph, quotient_layers, restore, simplify
+from .simplify import Problem, compact, from_costgraph, quotient_layers, restore, simplify
 
 __all__ = ["solve", "min_memory", "evaluate", "restrict", "brute_force", "BACKENDS"]
 
@@ -212,6 +213,17 @@ def _mip(p: Problem, backend: str, deadline: float, hint: dict[int, int] | None,
     return (restore(records, choice) if choice is not None else None), status, bound
 
 
+def _unconstrained_mip(p: Problem, deadline: float, stats: dict, gap: float) -> tuple[dict[int, int], float] | None:
+    """min time without the memory row by HiGHS (fastest without the row, see BENCHMARK): the
+    exact relaxation `_search` starts from when the DP tables are too large; None if not proven."""
+    q = p.copy()
+    q.budget = None
+    choice, status, bound = _mip(q, "highs", deadline, None, True, stats, gap)
+    if choice is None or status != "optimal":
+        return None
+    return choice, min(bound, q.evaluate(choice)[0])
+
+
 def _least_memory(p: Problem) -> tuple[dict[int, int], float]:
     """Exact minimum of memory_offset + Σ memory over assignments that avoid every inf."""
     r = Problem(p.names, {i: np.where(np.isfinite(t), p.memory[i], np.inf) for i, t in p.time.items()},
@@ -246,14 +258,16 @@ def _fits(p: Problem, choice: dict[int, int] | None) -> bool:
 def _search(p: Problem, backend: str, deadline: float, hint: dict[int, int] | None,
             deterministic: bool, stats: dict, gap: float) -> tuple[dict[int, int], str, float, str]:
     """The solve strategy of the module docstring; returns (assignment, status, bound, backend)."""
-    bound, candidates, out = -math.inf, [hint] if _fits(p, hint) else [], None
+    bound, candidates, out, exact = -math.inf, [hint] if _fits(p, hint) else [], None, "dp"
     if backend in ("auto", "dp"):
         out = solve_unconstrained(p)
         if out is None and backend == "dp":
             raise SolverError("backend 'dp': the elimination tables are too large for this graph")
+        if out is None:  # treewidth too high for the DP (2-D meshes): the same relaxation by ILP
+            out, exact = _unconstrained_mip(p, deadline, stats, gap), "highs"
         if out is not None:
             if _fits(p, out[0]):
-                return out[0], "optimal", out[1], "dp"
+                return out[0], "optimal", out[1], exact
             if not math.isfinite(out[1]):
                 _raise_infeasible(p, math.inf)
             bound = out[1]
@@ -324,16 +338,32 @@ def solve(cg: CostGraph, *, time_limit: float | None = None, backend: str = "aut
     if dedup_layers and cg.layer_groups:
         return _solve_tiled(cg, time_limit=time_limit, backend=backend, hint=hint,
                             deterministic=deterministic, fixed=fixed, mip_gap=mip_gap)
-    p = from_costgraph(cg, fixed)
     if hint is not None and len(hint) != len(cg.nodes):
         raise InputError(f"hint has {len(hint)} entries for {len(cg.nodes)} nodes")
-    hint_d = {i: int(h) for i, h in enumerate(hint)} if hint is not None else None
-    stats = {"nodes": len(cg.nodes), "edges": len(cg.edges)}
-    choice_d, status, bound, used = _search(p, backend, deadline, hint_d, deterministic, stats, mip_gap)
-    choice = np.array([choice_d[i] for i in range(len(cg.nodes))], dtype=np.int64)
+    full = from_costgraph(cg, fixed)
+    compacted = compact(full)
+    if compacted is None:
+        _raise_infeasible(full, math.inf)
+    p, keep = compacted
+    stats = {"nodes": len(cg.nodes), "edges": len(cg.edges), "strategies": sum(len(t) for t in full.time.values()),
+             "kept_strategies": sum(len(k) for k in keep.values())}
+    choice_d, status, bound, used = _search(p, backend, deadline, _compact_hint(hint, keep), deterministic, stats,
+                                            mip_gap)
+    choice = np.array([keep[i][choice_d[i]] for i in range(len(cg.nodes))], dtype=np.int64)
+    if hint is not None and status != "optimal" and _fits(full, dict(enumerate(hint))) \
+            and full.evaluate(dict(enumerate(hint)))[0] < full.evaluate(dict(enumerate(choice)))[0]:
+        choice = np.asarray(hint, dtype=np.int64)   # a pruned-away hint still serves as the fallback
     t, mem = evaluate(cg, choice)
     bound = min(bound, t)
     return Solution(choice, t, mem, bound, status, used, _time.monotonic() - start, stats)
+
+
+def _compact_hint(hint: np.ndarray | None, keep: dict[int, np.ndarray]) -> dict[int, int] | None:
+    """The hint in compacted indices, or None when dominance pruned one of its strategies."""
+    if hint is None:
+        return None
+    pos = {i: np.flatnonzero(k == int(hint[i])) for i, k in keep.items()}
+    return {i: int(w[0]) for i, w in pos.items()} if all(len(w) for w in pos.values()) else None
 
 
 def _solve_tiled(cg: CostGraph, *, hint: np.ndarray | None, fixed: dict[int, list[int]] | None,

@@ -126,8 +126,9 @@ def prune_partials(nodes: list[fx.Node], strategies: list[list[NodeStrategy]]) -
     """Drop strategies whose Partial placements can only carry a Partial made for free (exact).
 
     A Partial on mesh axis a is *genuine* when it comes from split work: an op with a Shard input on
-    axis a and no Partial one there (a contraction split, a reduction over a sharded dim, a layer-norm
-    backward), or a Partial input whose producer can output a genuine Partial of that kind. Any other
+    axis a (a contraction split, a reduction over a sharded dim, a layer-norm backward, an
+    accumulate into a Partial buffer), or a Partial input whose producer can output a genuine
+    Partial of that kind. Strategies with a Shard input on axis a are always kept. Any other
     Partial was made from a Replicate value (R -> P is free) or by a factory; replacing it by
     Replicate on axis a, at every node of such a chain at once, keeps the compute and memory (P and R
     both hold the whole tensor, neither splits work) and never raises a reshard cost (R -> x is free,
@@ -147,12 +148,10 @@ def prune_partials(nodes: list[fx.Node], strategies: list[list[NodeStrategy]]) -
 def _genuine(s: NodeStrategy, ins: list[tuple[fx.Node, int]], kinds: dict) -> bool:
     axes = {a for spec in (*s.outs, *s.ins) if spec is not None for a, p in enumerate(spec) if is_partial(p)}
     for a in axes:
+        if any(isinstance(spec[a], Shard) for spec in s.ins):
+            continue  # split work (a contraction, a reduction, an accumulate into a Partial buffer)
         partial_in = [(j, spec[a]) for j, spec in enumerate(s.ins) if is_partial(spec[a])]
-        if partial_in:
-            emits = [kinds.get(ins[j][0], []) for j, _ in partial_in]
-            if not any(ins[j][1] < len(e) and (a, p) in e[ins[j][1]]
-                       for (j, p), e in zip(partial_in, emits)):
-                return False
-        elif not any(isinstance(spec[a], Shard) for spec in s.ins):
+        emits = [kinds.get(ins[j][0], []) for j, _ in partial_in]
+        if not any(ins[j][1] < len(e) and (a, p) in e[ins[j][1]] for (j, p), e in zip(partial_in, emits)):
             return False
     return True

@@ -208,3 +208,21 @@ def test_hint_is_used_as_fallback():
     best = solve(cg)
     again = solve(cg, hint=best.choice, backend="highs")
     assert again.time == pytest.approx(best.time)
+
+
+@pytest.mark.parametrize("quantile", [None, 0.3])
+def test_compact_drops_dominated_strategies_exactly(quantile):
+    """Strategy copies made worse by a constant are dominated: `compact` removes them, same optimum."""
+    from autopar.simplify import compact
+    for seed in range(8):
+        cg = random_graph(seed, inf_rate=0.0, budget_quantile=quantile)
+        worse = CostGraph([CostNode(nd.name, np.concatenate([nd.time, nd.time + 0.5]),
+                                    np.concatenate([nd.memory, nd.memory])) for nd in cg.nodes],
+                          [CostEdge(e.src, e.dst, np.tile(e.time, (2, 2)) + 0.0) for e in cg.edges],
+                          cg.memory_budget, cg.memory_offset)
+        p, keep = compact(from_costgraph(worse))
+        assert all(len(keep[i]) <= cg.nodes[i].num_strategies for i in keep)
+        ref = _brute_or_none(cg)
+        if ref is None:
+            continue
+        assert solve(worse).time == pytest.approx(ref.time, abs=1e-9)
