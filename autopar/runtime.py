@@ -65,7 +65,7 @@ def autoparallelize(model: nn.Module, example_inputs: tuple, *, mesh=None, strat
     A model on the meta device is materialised module by module (`init_fn(module)`, default: torch.nn
     layers' reset_parameters), each rank keeping only its shards; see `autopar.materialize`.
     """
-    rank, world = _init_distributed()
+    _, world = _init_distributed()
     if mesh is None:
         mesh = Mesh((world,), hardware="cpu" if _device_type() == "cpu" else "h100")
     elif not isinstance(mesh, Mesh):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -271,16 +271,7 @@ H100 = HardwareSpec(
 # (https://www.nvidia.com/en-us/data-center/h200/): same tensor cores as H100 SXM (FP32 67,
 # BF16/FP16 1,979 sparse -> 989 dense TFLOP/s), HBM3e 4.8 TB/s, 141 GB, NVLink 900 GB/s total.
 # Inter-node: DGX H200 uses the same 8x ConnectX-7 400 Gb/s as DGX H100 -> 50 GB/s per GPU.
-H200 = HardwareSpec(
-    name="h200",
-    peak_flops={"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
-    mem_bandwidth=4.8e12,
-    mem_capacity=141e9,
-    intra_node=LinkSpec(bandwidth=450e9, latency=5e-6),
-    inter_node=LinkSpec(bandwidth=50e9, latency=10e-6),
-    devices_per_node=8,
-    compute_efficiency=0.6,
-)
+H200 = replace(H100, name="h200", mem_bandwidth=4.8e12, mem_capacity=141e9)
 
 PRESETS: dict[str, HardwareSpec] = {spec.name: spec for spec in (CPU, A100, H100, H200)}
 
