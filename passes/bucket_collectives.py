@@ -34,12 +34,12 @@ def bucket_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
             if coll.target in FUSIBLE:
                 key = (coll.target, *coll.args[1:])  # op (and n) and group name
                 groups.setdefault(key, []).append(node)
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     groups = {k: w for k, w in groups.items() if len(w) > 1}
     if not groups:
         return gm  # nothing to fuse: the graph is returned unchanged
     for key, waits in groups.items():
-        target, *rest = key
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}  # a 2-D gradient's second collective
+        target, *rest = key                                     # reads the first group's fused output
         inputs = [w.args[0].args[0] for w in waits]
         fn = fused_all_reduce if target is c10d.all_reduce.default else fused_reduce_scatter
         with gm.graph.inserting_after(max(inputs, key=order.get)):  # users are re-sorted below
