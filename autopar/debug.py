@@ -18,6 +18,12 @@ def level() -> int:
         return 1
 
 
+def progress(msg: str, *, end: str = "\n") -> None:
+    """A progress line on an interactive terminal (stderr); silent in pipes, CI and tests."""
+    if sys.stderr.isatty() and level() == 0:
+        print(f"\rautopar: {msg}", end=end, file=sys.stderr, flush=True)
+
+
 def log(at: int, msg: str) -> None:
     if level() >= at:
         print(f"[autopar] {msg}", file=sys.stderr, flush=True)

@@ -13,7 +13,7 @@ from autopar.canonicalize import canonicalize
 from autopar.capture import capture
 from autopar.costing import ProblemBuilder
 from autopar.costmodel.memory import format_bytes, parse_bytes
-from autopar.debug import log
+from autopar.debug import log, progress
 from autopar.errors import InfeasiblePlanError, InputError, SolverTimeLimitWarning
 from autopar.mesh import Mesh
 from autopar.plan import Plan
@@ -28,8 +28,10 @@ class _Timer(dict):
     def __call__(self, name):
         start = time.perf_counter()
         log(2, f"{name} ...")
+        progress(f"{name} ...", end="")
         yield
         self[name] = self.get(name, 0.0) + time.perf_counter() - start
+        progress(f"{name}: {self[name]:.1f} s")
         log(1, f"{name}: {self[name]:.2f} s")
 
 
