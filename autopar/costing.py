@@ -12,7 +12,6 @@ all-reduce (dp) or reduce-scatter (zero) of the gradient.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,7 +22,7 @@ from autopar.canonicalize import VIEW_OPS, packet
 from autopar.costgraph import CostEdge, CostGraph, CostNode
 from autopar.costmodel import compute
 from autopar.costmodel.memory import optimizer_state_bytes_per_param
-from autopar.params import ParamStrategy, input_strategies, param_memory, param_strategies
+from autopar.params import input_strategies, param_memory, param_strategies
 from autopar.placement import Shard, local_fraction, replicated
 from autopar.reshard import ReshardCost
 from autopar.strategies import NodeStrategy, StrategyEnumerator, is_getitem, prune_partials, val_of
@@ -198,7 +197,6 @@ class ProblemBuilder:
                 mem["params"][:] = [nbytes * local_fraction(s.outs[0], self.axis_sizes) for s in strats]
             return times
         trainable = node.meta["autopar_name"] in self.captured.grad_param_names
-        elem_opt = opt_bytes * 4 / val.element_size() if val.element_size() else opt_bytes
         for k, s in enumerate(strats):
             for cat, b in param_memory(s, nbytes, val.numel(), self.axis_sizes, opt_bytes, trainable).items():
                 mem[cat][k] = b
@@ -207,7 +205,6 @@ class ProblemBuilder:
             if trainable:  # optimizer step: read p, g, states; write p, states (memory bound)
                 touched = (3 * nbytes + val.numel() * 2 * opt_bytes) * local_fraction(s.master, self.axis_sizes)
                 times[k] = touched / self.hw.mem_bandwidth
-        del elem_opt
         return times
 
     def _data_edges(self, prob: Problem) -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import distribute_tensor
 
 from autopar.canonicalize import canonicalize
 from autopar.capture import capture
