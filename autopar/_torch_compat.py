@@ -14,6 +14,7 @@ from torch._decomp import core_aten_decompositions
 from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.tools_common import stable_topological_sort
 
 __all__ = [
     "FakeTensor",
@@ -59,3 +60,9 @@ def tag_backward_nodes(loss: torch.Tensor) -> None:
     (and stack trace) of the forward op it differentiates, as aot_autograd does."""
     if loss.grad_fn is not None:
         setup_stacktrace_preservation_hooks([loss.grad_fn])
+
+
+def stable_toposort(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Topologically sort gm in place, keeping the original order wherever dependencies allow (a
+    plain Kahn sort would hoist every collective whose inputs are ready, e.g. all ZeRO-3 gathers)."""
+    return stable_topological_sort(gm)

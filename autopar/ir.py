@@ -99,6 +99,21 @@ def _lowered(gm, ctx) -> None:
                 _fail(node, f"collective on unknown group {node.args[-1]!r}")
             if [u.target for u in node.users] != [c10d.wait_tensor.default]:
                 _fail(node, "collective without its wait_tensor")
+    _one_in_flight(gm)
+
+
+def _one_in_flight(gm) -> None:
+    """Each collective is waited before the next one starts: nothing hoists gathers (ZeRO-3 memory)
+    or leaves many async ops in flight. Overlap scheduling, when it comes, relaxes this on purpose."""
+    pending = None
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in COLLECTIVES:
+            if pending is not None:
+                _fail(node, f"collective starts while {pending.name} is still in flight")
+            pending = node
+        elif pending is not None and node.op == "call_function" and node.target is c10d.wait_tensor.default \
+                and node.args[0] is pending:
+            pending = None
 
 
 def _local(gm, ctx) -> None:

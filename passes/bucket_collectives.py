@@ -11,7 +11,8 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.tools_common import legalize_graph
+
+from autopar._torch_compat import stable_toposort
 
 from .context import PassContext
 from .ops import fused_all_reduce, fused_reduce_scatter
@@ -55,7 +56,7 @@ def bucket_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
             coll = w.args[0]
             gm.graph.erase_node(w)
             gm.graph.erase_node(coll)
-    legalize_graph(gm)  # users of an early gradient now follow the fused node
+    stable_toposort(gm)  # users of an early gradient now follow the fused node; nothing else moves
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -2,6 +2,7 @@
 test instead of CI. Results come back pickled through a queue (tensors as CPU tensors)."""
 from __future__ import annotations
 
+import faulthandler
 import io
 import os
 import socket
@@ -19,6 +20,7 @@ def free_port() -> int:
 
 def _worker(rank, world, port, fn, args, queue):
     import torch.distributed as dist
+    faulthandler.enable()  # a crash in a native library prints every thread's Python stack
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     try:

@@ -222,6 +222,28 @@ def test_zero3_gathers_weights_in_forward_and_backward_and_reduce_scatters_gradi
     assert weight_gathers["forward"] >= len(matrices) and weight_gathers["backward"] >= len(matrices) - 1
 
 
+def test_zero3_gathers_stay_next_to_their_use_and_verify_catches_hoisting(gpt_case):
+    """Fusing gradient collectives re-sorts the graph; that sort must not hoist every ZeRO-3 gather to
+    the top (all weights gathered at once, many async collectives in flight)."""
+    from torch.fx.passes.tools_common import legalize_graph
+    from autopar.ir import IRError, verify
+    model, inputs = gpt_case
+    plan = autopar.plan(model, inputs, mesh=autopar.Mesh((2,)), strategy="zero3", baselines=False)
+    captured = _captured(model, inputs)
+    ctx = _ctx(plan, captured)
+    gm = run_passes(captured.gm, ctx, verify=True)
+    nodes = list(gm.graph.nodes)
+    gathers = [i for i, n in enumerate(nodes) if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
+    # every gather is used right after its wait (a few view/copy nodes at most), not at the top
+    for i in gathers:
+        wait = nodes[i + 1]
+        first_use = min(nodes.index(u) for u in wait.users)
+        assert first_use - i <= 4, nodes[i].name
+    legalize_graph(gm)  # an unstable topological sort (what the pass used to call) hoists them
+    with pytest.raises(IRError, match="in flight"):
+        verify(gm, "bucket_collectives", ctx)
+
+
 def test_tp_mlp_emits_exactly_the_plans_activation_all_reduces():
     model, inputs = _mlp_case()
     plan = autopar.plan(model, inputs, mesh=autopar.Mesh((4,), hardware="a100"), strategy="tp", baselines=False)
