@@ -40,6 +40,7 @@ import torch.fx
 import torch.nn as nn
 
 from autopar import _torch_compat as compat
+from autopar import stamp
 from autopar.errors import InputError, NoLossError, TraceError
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class Captured:
     unused_params: list[str]
     param_shapes: dict[str, torch.Size] = field(default_factory=dict)
     param_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    stamped: dict[str, int] = field(default_factory=dict)  # layer stack FQN -> layers (traced 3, stamped)
 
     @property
     def output_nodes(self) -> tuple:
@@ -104,6 +106,7 @@ def capture(
     example_kwargs: dict | None = None,
     loss_fn: Callable | None = None,
     decompose: bool = True,
+    stamp_layers: bool = True,
 ) -> Captured:
     """Capture one training step of `model` as a joint forward+backward ATen graph.
 
@@ -111,19 +114,34 @@ def capture(
     arguments, like `example_kwargs`). The model must return a scalar loss (a tensor, an object
     with `.loss`, a dict with "loss" or a tuple whose first item is the loss) or `loss_fn(output,
     *example_inputs)` must compute it. Parameters may live on the meta device: nothing is allocated.
+    A stack of alike layers is traced three layers deep and stamped out (`autopar/stamp.py`);
+    `stamp_layers=False` traces every layer.
     """
-    start = time.perf_counter()
     args, kwargs = _check_inputs(example_inputs, example_kwargs)          # 1. validate, name
-    input_names, flat_inputs, call = _bind_inputs(model, args, kwargs)
-    params, tied = _unique_tensors(model.named_parameters(remove_duplicate=False))
-    buffers, buffer_ties = _unique_tensors(model.named_buffers(remove_duplicate=False))
-    wrapper = _LossModule(model, call, loss_fn, len(args))                # 2. model -> loss
+    _bind_inputs(model, args, kwargs)
+    stacks = stamp.find_stacks(model) if stamp_layers else []
+    if stacks:
+        try:
+            return _capture(model, args, kwargs, loss_fn, decompose, stacks)
+        except stamp.StampError as e:
+            log.info("capture: tracing every layer: %s", e)
+    return _capture(model, args, kwargs, loss_fn, decompose, [])
+
+
+def _capture(model: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable | None, decompose: bool,
+             stacks: list[stamp.LayerStack]) -> Captured:
+    start = time.perf_counter()
+    traced = stamp.shallow_model(model, stacks) if stacks else model
+    input_names, flat_inputs, call = _bind_inputs(traced, args, kwargs)
+    params, tied = _unique_tensors(traced.named_parameters(remove_duplicate=False))
+    buffers, buffer_ties = _unique_tensors(traced.named_buffers(remove_duplicate=False))
+    wrapper = _LossModule(traced, call, loss_fn, len(args))               # 2. model -> loss
     on_meta = any(t.is_meta for t in [*params.values(), *buffers.values()])
     export_inputs = tuple(t.to("meta") if on_meta else t for t in flat_inputs)  # one device for export
     exported = _traced(lambda: compat.export_graph(wrapper, export_inputs))  # 3. export
     _retarget_meta_to_cpu(exported)
     exported_at = time.perf_counter()
-    grad_names = [n for n, p in params.items() if p.requires_grad and p.is_floating_point()]
+    grad_names = _grad_names(params)
     aliases = {**_alias_map(tied), **_alias_map(buffer_ties)}
     joint = _JointStep(exported, list(params), list(buffers), grad_names, aliases)
     mode = compat.FakeTensorMode(allow_non_fake_inputs=True)              # tensor constants stay real
@@ -133,6 +151,8 @@ def capture(
     names = [*params, *buffers, *input_names]
     roles = ["param"] * len(params) + ["buffer"] * len(buffers) + ["input"] * len(input_names)
     _annotate(gm, names, roles)
+    if stacks:                                                            # 6. stamp out the layers
+        params, tied, buffers, grad_names = _stamp(gm, model, stacks, grad_names, input_names)
     used = _params_used_in_forward(gm)
     log.info("capture: export %.2f s, joint trace %.2f s, %d nodes", exported_at - start,
              time.perf_counter() - exported_at, len(gm.graph.nodes))
@@ -142,7 +162,30 @@ def capture(
         unused_params=[n for n in params if n not in used],
         param_shapes={n: p.shape for n, p in params.items()},
         param_dtypes={n: p.dtype for n, p in params.items()},
+        stamped={s.path: s.num_layers for s in stacks},
     )
+
+
+def _grad_names(params: dict[str, torch.Tensor]) -> list[str]:
+    return [n for n, p in params.items() if p.requires_grad and p.is_floating_point()]
+
+
+def _stamp(gm: torch.fx.GraphModule, model: nn.Module, stacks: list, traced_grads: list[str],
+           input_names: list[str]) -> tuple:
+    """The shallow graph -> the full model's graph; returns the full model's params, ties, buffers
+    and gradient names."""
+    params, tied = _unique_tensors(model.named_parameters(remove_duplicate=False))
+    buffers, buffer_ties = _unique_tensors(model.named_buffers(remove_duplicate=False))
+    for name in [*_alias_map(tied), *_alias_map(buffer_ties), *tied, *buffer_ties]:
+        if any(name.startswith(s.path + ".") for s in stacks):
+            raise stamp.StampError(f"{name} is tied to another tensor")
+    outputs = gm.graph.output_node().args[0]
+    loss, grads = outputs[0], dict(zip(traced_grads, outputs[1:]))
+    for stack in stacks:
+        grads = stamp.stamp_stack(gm, stack, loss, grads)
+    grad_names = _grad_names(params)
+    stamp.finish(gm, loss, grads, [*params, *buffers, *input_names], grad_names)
+    return params, tied, buffers, grad_names
 
 
 # ---------------------------------------------------------------- 1. inputs and names
@@ -394,9 +437,12 @@ def _annotate(gm: torch.fx.GraphModule, names: list[str], roles: list[str]) -> N
         if node.meta["phase"] == "forward":
             node.meta["module_path"] = _module_path(node.meta.get("nn_module_stack"))
             first_of_seq.setdefault(node.meta.get("seq_nr"), node)
+            source = node.meta.get("nn_module_stack")
         else:
-            fwd = first_of_seq.get(node.meta.get("seq_nr"))
-            node.meta["module_path"] = fwd.meta["module_path"] if fwd is not None else ""
+            source = first_of_seq.get(node.meta.get("seq_nr"))
+            node.meta["module_path"] = source.meta["module_path"] if source is not None else ""
+        if not source:  # e.g. autograd's gradient accumulation: no module of its own ("" is the root)
+            node.meta["autopar_unscoped"] = True
 
 
 def _is_forward_getitem(node: torch.fx.Node, forward: set[torch.fx.Node]) -> bool:
