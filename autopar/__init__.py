@@ -5,6 +5,7 @@ from autopar.mesh import Mesh
 from autopar.plan import Plan
 from autopar.planner import plan
 from autopar.runtime import ParallelModule, autoparallelize
+from autopar.scaling import ScalingReport, scaling
 
-__all__ = ["Mesh", "Plan", "plan", "autoparallelize", "ParallelModule", "errors", "diff"]
+__all__ = ["Mesh", "Plan", "plan", "autoparallelize", "ParallelModule", "errors", "diff", "scaling", "ScalingReport"]
 __version__ = "0.1.0"

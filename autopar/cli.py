@@ -4,6 +4,8 @@
     autopar show plan.json
     autopar explain plan.json transformer.h.0.attn.c_attn
     autopar diff a.json b.json
+    torchrun --nproc_per_node 8 -m autopar calibrate --mesh 8 --out profile.json
+    autopar scaling examples/gpt_factory.py:make --devices 1-64 --hardware h100 --plot scaling.png
 
 A user mistake (bad mesh string, unknown hardware, missing file, bad factory, bad budget) exits with
 status 2 and one line `autopar: error: ...` on stderr, never a traceback. Plans are read as JSON
@@ -68,7 +70,41 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("plan_a", metavar="A.json")
     d.add_argument("plan_b", metavar="B.json")
     d.set_defaults(run=_cmd_diff)
+    _add_calibrate(sub)
+    _add_scaling(sub)
     return parser
+
+
+def _add_calibrate(sub) -> None:
+    c = sub.add_parser("calibrate", help="measure links and compute under torchrun; write a hardware profile",
+                       description="Time collectives on every mesh axis and matmul/attention/pointwise ops on "
+                                   "this job's devices (run under torchrun; gloo on CPU, NCCL on CUDA), fit "
+                                   "alpha-beta per collective and link, and write a JSON profile for "
+                                   "Mesh(hardware=PATH) / --hardware PATH.")
+    c.add_argument("--out", required=True, help="where to write the profile (JSON)")
+    c.add_argument("--mesh", help="mesh shape whose axes to measure, e.g. 2x4 (default: the world, 1-D)")
+    c.add_argument("--base", help="preset giving peak FLOP/s and capacity (default: from the device)")
+    c.add_argument("--devices-per-node", type=int, help="default: torchrun's LOCAL_WORLD_SIZE")
+    c.add_argument("--min-bytes", default="1K", help="smallest message (default 1K)")
+    c.add_argument("--max-bytes", default="64M", help="largest message (default 64M; sizes step x4)")
+    c.add_argument("--iters", type=int, default=5, help="timed repetitions per size (median)")
+    c.add_argument("--quick", action="store_true", help="small compute benchmarks (a smoke test)")
+    c.set_defaults(run=_cmd_calibrate)
+
+
+def _add_scaling(sub) -> None:
+    s = sub.add_parser("scaling", help="plan for 1, 2, 4, ... devices and find where scaling stops paying",
+                       description="Plan the model returned by FACTORY for each device count (global batch "
+                                   "fixed) and print predicted step time, throughput, memory and efficiency, "
+                                   "and the stop point with its reason.")
+    s.add_argument("factory", metavar="MODULE:FACTORY", help="a callable returning (model, example_inputs)")
+    s.add_argument("--devices", default="1-64", help="e.g. 1,2,4,8 or 1-64 (powers of two; default 1-64)")
+    s.add_argument("--hardware", default="cpu", help="preset (cpu, a100, h100, h200) or a JSON profile path")
+    s.add_argument("--budget", help="memory budget per device, e.g. 80GB")
+    s.add_argument("--threshold", type=float, default=0.5, help="efficiency under which to stop (default 0.5)")
+    s.add_argument("--devices-per-node", type=int, help="devices per node (default: the hardware's)")
+    s.add_argument("--plot", help="save a PNG plot here (needs matplotlib)")
+    s.set_defaults(run=_cmd_scaling)
 
 
 def parse_mesh_shape(text: str) -> tuple[int, ...]:
@@ -174,6 +210,50 @@ def _cmd_diff(args) -> int:
     from autopar.diff import diff
 
     print(diff(load_plan(args.plan_a), load_plan(args.plan_b)))
+    return 0
+
+
+def _cmd_calibrate(args) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from autopar.calibrate import calibrate, size_range
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:   # a plain process: a world of one (compute only, no links)
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        result = calibrate(parse_mesh_shape(args.mesh) if args.mesh else None,
+                           sizes=size_range(args.min_bytes, args.max_bytes), iters=args.iters,
+                           base=args.base, devices_per_node=args.devices_per_node, quick_compute=args.quick)
+        if dist.get_rank() == 0:
+            result.spec.save(args.out)
+            print(result.summary())
+            print(f"saved {args.out}")
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _cmd_scaling(args) -> int:
+    from autopar.scaling import parse_devices, scaling
+
+    model, inputs = _call_factory(load_factory(args.factory), args.factory)
+    report = scaling(model, inputs, devices=parse_devices(args.devices), hardware=args.hardware,
+                     memory_budget=args.budget, threshold=args.threshold,
+                     devices_per_node=args.devices_per_node)
+    print(report)
+    if args.plot:
+        report.plot(args.plot)
+        print(f"saved {args.plot}")
     return 0
 
 

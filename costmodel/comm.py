@@ -75,6 +75,11 @@ def _factors(kind: str, num_devices: int) -> tuple[float, float]:
     return float(bw_fn(num_devices)), float(hops_fn(num_devices))
 
 
+def coefficients(kind: str, num_devices: int) -> tuple[float, float]:
+    """(bw(n), hops(n)) of `kind` over n devices: t = bw·B/β + hops·α (calibration fits these)."""
+    return _factors(kind, num_devices)
+
+
 def collective_time(kind: str, nbytes: float, n: int, link: LinkSpec) -> float:
     """Seconds for one collective of `kind` over `n` devices moving a B = `nbytes` tensor."""
     bw, hops = _factors(kind, n)

@@ -3,8 +3,12 @@
 FLOPs come from `torch.utils.flop_counter.FlopCounterMode`: the op is re-run on meta tensors of the
 same shapes (no data, no device) and the result is cached by the call's signature, because a
 transformer repeats the same few shapes in every layer. Ops the counter does not know (elementwise,
-reductions, views) count 0 FLOPs: they are memory bound and priced by their bytes. Kernel launch
-overhead is not modelled (the graph's view ops would otherwise cost time they do not take).
+reductions, views) count 0 FLOPs: they are memory bound and priced by their bytes. Each priced op
+also pays the hardware's `op_overhead` (0 in the presets, measured by `autopar calibrate`); the
+planner never prices view ops, so they cost nothing.
+
+`ROOFLINE` is the same formula in sympy, t = max(F/(η·P), M/W) + o, and `explain_compute` prints it
+with its numbers.
 """
 from __future__ import annotations
 
@@ -12,10 +16,12 @@ import math
 import warnings
 from typing import Any, Callable
 
+import sympy as sp
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from .hardware import HardwareSpec
+from .memory import format_bytes, format_seconds
 
 aten = torch.ops.aten
 
@@ -52,10 +58,31 @@ _COUNTED_OPS = frozenset(
 _FLOP_CACHE: dict[tuple, float] = {}
 
 
+SYM_F, SYM_M, SYM_P, SYM_ETA, SYM_W, SYM_O = sp.symbols("F M P eta W o", nonnegative=True)
+ROOFLINE: sp.Expr = sp.Max(SYM_F / (SYM_ETA * SYM_P), SYM_M / SYM_W) + SYM_O
+
+
 def op_time(flops: float, nbytes: float, hw: HardwareSpec, dtype: torch.dtype | str) -> float:
-    """Roofline seconds: the larger of compute time at achievable peak and memory-traffic time."""
+    """Roofline seconds: the larger of compute time at achievable peak and memory-traffic time,
+    plus the per-launch overhead (`ROOFLINE` evaluated in floats)."""
     compute = flops / (hw.flops(dtype_name(dtype)) * hw.compute_efficiency)
-    return max(compute, nbytes / hw.mem_bandwidth)
+    return max(compute, nbytes / hw.mem_bandwidth) + hw.op_overhead
+
+
+def explain_compute(flops: float, nbytes: float, hw: HardwareSpec,
+                    dtype: torch.dtype | str = "float32") -> str:
+    """One line: the roofline formula, its numbers, which side binds, and the seconds.
+
+    e.g. "max(F/(η·P), M/W) + o = max(1.07 GFLOP / (0.6·67.0 TFLOP/s), 12.6 MB / 3.35 TB/s) + 0 s
+    = 26.7 µs (compute bound)"
+    """
+    peak = hw.flops(dtype_name(dtype))
+    compute, memory = flops / (peak * hw.compute_efficiency), nbytes / hw.mem_bandwidth
+    bound = "compute bound" if compute >= memory else "memory bound"
+    return (f"max(F/(η·P), M/W) + o = max({flops / 1e9:.3g} GFLOP / ({hw.compute_efficiency:.3g}·"
+            f"{peak / 1e12:.3g} TFLOP/s), {format_bytes(nbytes)} / {format_bytes(hw.mem_bandwidth)}/s)"
+            f" + {format_seconds(hw.op_overhead)} = {format_seconds(op_time(flops, nbytes, hw, dtype))}"
+            f" ({bound})")
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:

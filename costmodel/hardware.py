@@ -42,6 +42,8 @@ class HardwareSpec:
     `devices_per_node` None means "any mesh fits in one node" (the CPU preset: every gloo process
     runs on this one machine). `collectives` holds fitted per-collective links from calibration,
     `{"intra": {"all_reduce": LinkSpec, ...}, "inter": {...}}`; presets leave it empty.
+    `op_overhead` is the fixed cost of one kernel launch (eager dispatch on CPU, launch on GPU),
+    measured by `autopar calibrate`; it matters for small models where ops are microseconds.
     """
 
     name: str
@@ -53,13 +55,14 @@ class HardwareSpec:
     devices_per_node: int | None
     compute_efficiency: float = 0.6   # achievable fraction of peak FLOP/s for large matmuls
     collectives: dict[str, dict[str, LinkSpec]] = field(default_factory=dict)
+    op_overhead: float = 0.0          # seconds each kernel launch adds (calibrated; presets: 0)
 
     def __post_init__(self) -> None:
         _validate(self)
         # Copy the dicts so a caller's later mutation cannot change a frozen spec; numbers become
         # floats so that equal specs fingerprint the same.
         object.__setattr__(self, "peak_flops", {k: float(v) for k, v in self.peak_flops.items()})
-        for name in ("mem_bandwidth", "mem_capacity", "compute_efficiency"):
+        for name in ("mem_bandwidth", "mem_capacity", "compute_efficiency", "op_overhead"):
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "collectives", {k: dict(v) for k, v in self.collectives.items()})
 
@@ -80,8 +83,10 @@ class HardwareSpec:
         return self.peak_flops.get(dtype_name, self.peak_flops["float32"])
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict; `HardwareSpec.from_json` reads it back (also from a JSON string)."""
-        return {
+        """A JSON-ready dict; `HardwareSpec.from_json` reads it back (also from a JSON string).
+
+        `op_overhead` is written only when set, so presets keep their fingerprints."""
+        data = {
             "name": self.name,
             "peak_flops": dict(self.peak_flops),
             "mem_bandwidth": self.mem_bandwidth,
@@ -93,6 +98,9 @@ class HardwareSpec:
             "collectives": {lk: {c: _link_to_json(l) for c, l in d.items()}
                             for lk, d in self.collectives.items()},
         }
+        if self.op_overhead:
+            data["op_overhead"] = self.op_overhead
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any] | str) -> "HardwareSpec":
@@ -122,7 +130,7 @@ class HardwareSpec:
 # --- validation and parsing -----------------------------------------------------------------------
 
 _FIELDS = ("name", "peak_flops", "mem_bandwidth", "mem_capacity", "intra_node", "inter_node",
-           "devices_per_node", "compute_efficiency", "collectives")
+           "devices_per_node", "compute_efficiency", "collectives", "op_overhead")
 _REQUIRED = _FIELDS[:7]
 _FIX = "fix the field or regenerate the profile with HardwareSpec.save()"
 
@@ -162,6 +170,7 @@ def _validate(spec: HardwareSpec) -> None:
     if not _is_number(spec.compute_efficiency) or not 0 < spec.compute_efficiency <= 1:
         raise HardwareError(f"field 'compute_efficiency' must be in (0, 1], "
                             f"got {spec.compute_efficiency!r}; {_FIX}")
+    _check_non_negative("op_overhead", spec.op_overhead)
     if not isinstance(spec.collectives, dict) or not set(spec.collectives) <= set(LINK_KINDS):
         raise HardwareError(f"field 'collectives' must map {LINK_KINDS} to collective fits; {_FIX}")
     for link_kind, fits in spec.collectives.items():
@@ -210,6 +219,7 @@ def _spec_from_dict(data: Any) -> HardwareSpec:
         devices_per_node=data["devices_per_node"],
         compute_efficiency=data.get("compute_efficiency", 0.6),
         collectives=fits,
+        op_overhead=data.get("op_overhead", 0.0),
     )
 
 

@@ -222,3 +222,31 @@ def test_optimizer_state_bytes():
     with pytest.raises(InputError):
         osb(-1, torch.float32)
     assert math.isfinite(osb("adafactor", torch.float32))
+
+
+# --- symbolic formulas with numbers (issue 5) ---------------------------------------------------
+
+def test_coefficients_are_the_textbook_factors():
+    assert comm.coefficients("all_reduce", 4) == (1.5, 6.0)
+    assert comm.coefficients("all_gather", 8) == (7 / 8, 7.0)
+    assert comm.coefficients("send_recv", 2) == (1.0, 1.0)
+
+
+def test_explain_all_reduce_prints_formula_and_numbers():
+    text = comm.explain("all_reduce", 8e6, 4, LINK)
+    assert text.startswith("all_reduce: 2·(n-1)/n·B/β + 2·(n-1)·α = 3/2·8.00 MB")
+    assert "6·5.00 µs" in text and text.endswith(memory.format_seconds(comm.collective_time("all_reduce", 8e6, 4, LINK)))
+
+
+def test_roofline_formula_and_launch_overhead():
+    hw = dataclasses.replace(hardware.H100, op_overhead=4e-6)
+    flops, nbytes = 2 * 4096 ** 3, 3 * 4096 ** 2 * 2
+    expected = flops / (989e12 * 0.6) + 4e-6
+    assert compute.op_time(flops, nbytes, hw, torch.bfloat16) == pytest.approx(expected)
+    sym = compute.ROOFLINE.subs({compute.SYM_F: flops, compute.SYM_M: nbytes, compute.SYM_P: 989e12,
+                                 compute.SYM_ETA: 0.6, compute.SYM_W: hw.mem_bandwidth, compute.SYM_O: 4e-6})
+    assert float(sym) == pytest.approx(expected)
+    text = compute.explain_compute(flops, nbytes, hw, torch.bfloat16)
+    assert text.startswith("max(F/(η·P), M/W) + o = max(") and "compute bound" in text
+    assert "memory bound" in compute.explain_compute(0, 1e9, hw)
+    assert compute.op_time(0, 0, hardware.H100, "float32") == 0   # presets: no launch overhead

@@ -1,0 +1,114 @@
+"""Calibration: alpha-beta fits from timings, profiles on disk, and a real 2-rank gloo run."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from autopar.calibrate import (Sample, build_profile, calibrate, fit_alpha_beta, fit_links, parse_size,
+                               size_range)
+from autopar.cli import main
+from autopar.costmodel import comm
+from autopar.costmodel.hardware import CPU, H100, HardwareSpec, LinkSpec, get_hardware
+from autopar.errors import HardwareError, InputError
+from autopar.mesh import Mesh
+from tests.dist_utils import run_distributed
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+SIZES = [4 ** k * 1024 for k in range(8)]
+
+
+def synthetic(kind: str, link: LinkSpec, ns=(2, 4, 8), noise: float = 0.0, seed: int = 0):
+    rng = random.Random(seed)
+    return [(n, b, comm.collective_time(kind, b, n, link) * (1 + noise * rng.uniform(-1, 1)))
+            for n in ns for b in SIZES]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fit_recovers_alpha_and_beta(kind):
+    truth = LinkSpec(bandwidth=12.5e9, latency=7e-6)
+    fit = fit_alpha_beta(kind, synthetic(kind, truth))
+    assert fit.latency == pytest.approx(truth.latency, rel=1e-6)
+    assert fit.bandwidth == pytest.approx(truth.bandwidth, rel=1e-6)
+
+
+def test_fit_with_noise_and_clamps():
+    truth = LinkSpec(bandwidth=1e9, latency=400e-6)
+    fit = fit_alpha_beta("all_reduce", synthetic("all_reduce", truth, noise=0.05))
+    assert fit.latency == pytest.approx(truth.latency, rel=0.2)
+    assert fit.bandwidth == pytest.approx(truth.bandwidth, rel=0.2)
+    # pure bandwidth (no latency): alpha would come out slightly negative; it is clamped to 0
+    fit = fit_alpha_beta("all_gather", synthetic("all_gather", LinkSpec(1e9, 0.0)))
+    assert fit.latency >= 0 and fit.bandwidth == pytest.approx(1e9, rel=1e-6)
+    with pytest.raises(InputError, match="at least 2"):
+        fit_alpha_beta("all_reduce", [(2, 1024, 1e-3)])
+
+
+def test_profile_from_samples_round_trips_and_mesh_accepts_it(tmp_path):
+    intra, inter = LinkSpec(300e9, 5e-6), LinkSpec(20e9, 15e-6)
+    samples = [Sample(kind, lk, n, b, t) for lk, link in (("intra", intra), ("inter", inter))
+               for kind in KINDS for n, b, t in synthetic(kind, link)]
+    spec = build_profile(H100, samples, matmul_flops=40e12, mem_bandwidth=2e12, op_overhead=8e-6,
+                         devices_per_node=8)
+    assert spec.compute_efficiency == pytest.approx(40e12 / 67e12)
+    assert spec.link("inter", "all_gather").bandwidth == pytest.approx(20e9)
+    assert spec.op_overhead == 8e-6 and set(spec.collectives) == {"intra", "inter"}
+    path = tmp_path / "cluster.json"
+    spec.save(path)
+    assert get_hardware(path) == spec
+    for hw in (path, str(path), spec):
+        mesh = Mesh((2, 8), hardware=hw)
+        assert mesh.hardware == spec
+        assert mesh.collective_time("all_reduce", 1e8, 0) == pytest.approx(
+            comm.collective_time("all_reduce", 1e8, 2, inter), rel=1e-6)
+    assert set(fit_links(samples)) == {"intra", "inter"}
+    # a faster-than-preset matmul raises the peak instead of an efficiency over 1
+    assert build_profile(CPU, samples, matmul_flops=80e9, mem_bandwidth=1e10, op_overhead=0,
+                         devices_per_node=None).compute_efficiency == 1.0
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"name": "x", ', "not valid JSON"),
+    ('__import__("os").system("touch pwned")', "not valid JSON"),
+    ('{"name": "x"}', "lacks field"),
+])
+def test_corrupt_or_incomplete_profile_is_a_clear_error(tmp_path, text, message):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(HardwareError, match=message):
+        Mesh(2, hardware=path)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_bad_op_overhead_and_preset_fingerprints_unchanged():
+    data = H100.to_json()
+    assert "op_overhead" not in data   # presets keep their JSON (and plan fingerprints)
+    data["op_overhead"] = -1.0
+    with pytest.raises(HardwareError, match="op_overhead"):
+        HardwareSpec.from_json(data)
+
+
+def test_sizes():
+    assert parse_size("64K") == 65536 and parse_size("4MiB") == 4 * 2 ** 20 and parse_size("100") == 100
+    assert size_range("1K", "64K") == (1024, 4096, 16384, 65536)
+    with pytest.raises(InputError):
+        parse_size("lots")
+    assert main(["calibrate", "--out", "x.json", "--max-bytes", "big"]) == 2
+
+
+def _calibrate_worker(rank, world, out):
+    result = calibrate(sizes=[1024, 16384, 262144], iters=1, quick_compute=True, progress=lambda m: None)
+    if rank == 0:
+        result.spec.save(out)
+    return result.spec.to_json()
+
+
+def test_real_calibration_two_ranks(tmp_path):
+    out = tmp_path / "profile.json"
+    specs = run_distributed(_calibrate_worker, 2, str(out), timeout=120)
+    assert specs[0] == specs[1]   # every rank fits the same profile
+    spec = get_hardware(out)
+    assert set(spec.collectives["intra"]) == set(KINDS)
+    assert all(link.latency >= 0 and link.bandwidth > 0 for link in spec.collectives["intra"].values())
+    assert 0 < spec.compute_efficiency <= 1 and spec.op_overhead > 0
+    assert Mesh(2, hardware=out).collective_time("all_reduce", 1e6, 0) > 0
