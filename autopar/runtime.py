@@ -33,7 +33,15 @@ def _init_distributed() -> tuple[int, int]:
     """Join torchrun's process group (gloo on CPU, NCCL with CUDA), or make a world of one."""
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+            if attempt is None:
+                dist.init_process_group(backend)
+            else:  # torchrun may keep its store across restarts: a restarted job must not read the
+                # previous attempt's addresses (a stale gloo peer address hangs or refuses the connection)
+                store, rank, world = next(dist.rendezvous("env://"))
+                dist.init_process_group(backend, store=dist.PrefixStore(f"autopar/attempt_{attempt}", store),
+                                        rank=rank, world_size=world)
         else:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size()

@@ -5,7 +5,7 @@
     python benchmarks/plan_time.py --profile llama3-8b-64   # cProfile, top 30 by cumulative time
 
 Prints capture / canonicalize / strategies+costs / baselines / solve / total seconds (plan.timings)
-and peak RSS (ru_maxrss of the case's own process). Target: Llama-3-8B on 64 devices < 20 s.
+and peak RSS (ru_maxrss of the case's own process). Targets: Llama-3-8B on 64 devices < 20 s; Llama-3-70B on 512 devices < 60 s, peak RSS < 8 GB.
 """
 from __future__ import annotations
 
@@ -20,21 +20,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 PHASES = ("capture", "canonicalize", "strategies+costs", "baselines", "solve", "total")
-CASES = ("gpt2-8", "gpt2-64", "llama3-8b-8", "llama3-8b-64")
+CASES = ("gpt2-8", "gpt2-64", "llama3-8b-8", "llama3-8b-64", "llama3-70b-512")
 
 
 def _mesh(devices: int):
     import autopar
     if devices == 8:
         return autopar.Mesh((8,), hardware="h100")
-    return autopar.Mesh((8, 8), axis_names=("dp", "tp"), hardware="h100", devices_per_node=8)
+    return autopar.Mesh((devices // 8, 8), axis_names=("dp", "tp"), hardware="h100", devices_per_node=8)
 
 
 def run_case(name: str) -> dict:
     import autopar
     import models
     model_name, devices = name.rsplit("-", 1)
-    case = models.meta_gpt2_124m() if model_name == "gpt2" else models.meta_llama3_8b()
+    builders = {"gpt2": models.meta_gpt2_124m, "llama3-8b": models.meta_llama3_8b, "llama3-70b": lambda: models.meta_llama3_70b(batch=64, seq=4096)}
+    case = builders[model_name]()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = autopar.plan(case.model, case.example_inputs, mesh=_mesh(int(devices)), memory_budget="80GB")

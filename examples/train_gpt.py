@@ -8,12 +8,14 @@ Every rank passes the same global batch (the same seeded generator on every rank
 each rank's planned slice. Rank 0 prints the plan once, then the loss every `--log-every` steps.
 `--checkpoint-every K --checkpoint-dir D` saves model and optimizer state with
 torch.distributed.checkpoint (sharded: every rank writes its own DTensor shards) and resumes from
-the newest checkpoint in D when one exists.
+the newest checkpoint in D when one exists — also under another strategy or world size (DCP
+reshards the saved DTensors into the new plan's placements).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -47,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="torch.save the full (unsharded) state dict here on rank 0")
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--fail-at-step", type=int, default=None,
+                   help="fault injection for tests: on torchrun's first attempt the last rank SIGKILLs itself "
+                        "before this step (run with --max-restarts 1 to see the job resume from a checkpoint)")
     return p.parse_args(argv)
 
 
@@ -138,6 +143,13 @@ def setup(args):
     return data, pmodel, opt, start, log
 
 
+def _maybe_fail(args, step: int) -> None:
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if args.fail_at_step == step and first_attempt and dist.get_rank() == dist.get_world_size() - 1:
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main(argv=None) -> list[float]:
     """Trains, returns this rank's losses (the same on every rank)."""
     args = parse_args(argv)
@@ -147,6 +159,7 @@ def main(argv=None) -> list[float]:
         data.batch(gen, args.batch)
     losses, t0 = [], time.perf_counter()
     for step in range(start, args.steps):
+        _maybe_fail(args, step)
         x, y = data.batch(gen, args.batch)
         opt.zero_grad(set_to_none=True)
         losses.append(pmodel.train_step(x, y).item())
