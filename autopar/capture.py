@@ -139,6 +139,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable | No
     on_meta = any(t.is_meta for t in [*params.values(), *buffers.values()])
     export_inputs = tuple(t.to("meta") if on_meta else t for t in flat_inputs)  # one device for export
     exported = _traced(lambda: compat.export_graph(wrapper, export_inputs))  # 3. export
+    _check_inputs_not_mutated(exported, input_names)
     _retarget_meta_to_cpu(exported)
     exported_at = time.perf_counter()
     grad_names = _grad_names(params)
@@ -347,6 +348,35 @@ def _user_frame(e: BaseException) -> tuple[str, int, str] | None:
     if found is None:
         return None
     return found[0], found[1], linecache.getline(found[0], found[1]).strip()
+
+
+def _check_inputs_not_mutated(gm: torch.fx.GraphModule, input_names: list[str]) -> None:
+    """An in-place op on an example input would change the caller's batch on every step, and a
+    sharded runtime would change only a slice of it: refuse it with the line that does it."""
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, name in zip(inputs, input_names):
+        for user in node.users:
+            schema = getattr(user.target, "_schema", None)
+            if schema is None:
+                continue
+            for i, arg in enumerate(schema.arguments):
+                if i < len(user.args) and user.args[i] is node and arg.alias_info is not None and arg.alias_info.is_write:
+                    at = _last_frame(user.meta.get("stack_trace", ""))
+                    raise InputError(
+                        f"the model modifies its input {name!r} in place with {user.target}{at}. autopar "
+                        "shards inputs across ranks, so in-place changes to them are not supported: "
+                        "work on a copy (e.g. `x = x * 2` instead of `x.mul_(2)`).")
+
+
+def _last_frame(stack_trace: str) -> str:
+    """' at file, line N: `code`' for the innermost frame of an FX stack trace ('' if none)."""
+    lines = [ln.strip() for ln in stack_trace.splitlines() if ln.strip()]
+    frames = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
+    if not frames:
+        return ""
+    i = frames[-1]
+    code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+    return f" at {lines[i].removeprefix('File ')}" + (f": `{code}`" if code else "")
 
 
 def _retarget_meta_to_cpu(gm: torch.fx.GraphModule) -> None:

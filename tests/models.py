@@ -247,3 +247,165 @@ def meta_megatron_lm(vocab: int = 512, hidden: int = 2048, num_heads: int = 16, 
         model = MegatronLM(vocab, hidden, num_heads, num_layers)
     ids = _tokens(vocab, batch, seq, device="meta")
     return Case(model, (ids, ids))
+
+
+# ---------------------------------------------------------------- model zoo (tiny, real weights)
+# One builder per transformers family, chosen for variety (benchmarks/model_zoo.py, tests/test_zoo.py):
+# hidden 32-64, 2 layers, vocab 128, dropout 0, fixed seed. Labels equal the inputs (the model shifts them).
+
+def _zoo_lm(cls_name: str, config_name: str, batch: int, seq: int, **config) -> Case:
+    """A causal/masked LM built from its config with random weights: `labels` = the input ids."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_name)(vocab_size=128, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                                             **config)
+    ids = _tokens(128, batch, seq)
+    return Case(getattr(transformers, cls_name)(cfg), (ids,), {"labels": ids})
+
+
+def tiny_mistral(batch: int = 4, seq: int = 16) -> Case:
+    """Mistral: grouped-query attention (4 heads, 2 kv heads), gated SiLU MLP, RMSNorm, no sliding window."""
+    return _zoo_lm("MistralForCausalLM", "MistralConfig", batch, seq, hidden_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, head_dim=16,
+                   max_position_embeddings=64, sliding_window=None)
+
+
+def tiny_qwen2(batch: int = 4, seq: int = 16) -> Case:
+    """Qwen2: GQA with q/k/v biases, tied embeddings, no sliding window."""
+    return _zoo_lm("Qwen2ForCausalLM", "Qwen2Config", batch, seq, hidden_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                   max_position_embeddings=64, use_sliding_window=False, tie_word_embeddings=True)
+
+
+def tiny_gemma(batch: int = 4, seq: int = 16) -> Case:
+    """Gemma: multi-query attention (1 kv head), GeGLU MLP, (1 + w) RMSNorm, scaled tied embeddings."""
+    return _zoo_lm("GemmaForCausalLM", "GemmaConfig", batch, seq, hidden_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=1, head_dim=16, intermediate_size=128,
+                   max_position_embeddings=64)
+
+
+def tiny_gemma2(batch: int = 4, seq: int = 16) -> Case:
+    """Gemma2: pre+post norms around attention and MLP, logit soft-capping, alternating sliding window."""
+    return _zoo_lm("Gemma2ForCausalLM", "Gemma2Config", batch, seq, hidden_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                   max_position_embeddings=64, sliding_window=8, attn_implementation="eager")
+
+
+def tiny_phi(batch: int = 4, seq: int = 16) -> Case:
+    """Phi: parallel attention + MLP from one LayerNorm, partial rotary (half the head dim), dense biases."""
+    return _zoo_lm("PhiForCausalLM", "PhiConfig", batch, seq, hidden_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, intermediate_size=128, partial_rotary_factor=0.5,
+                   max_position_embeddings=64, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
+
+
+def tiny_gpt_neox(batch: int = 4, seq: int = 16) -> Case:
+    """GPT-NeoX: parallel residual, fused QKV, partial rotary (rotary_pct 0.25), untied output embedding."""
+    return _zoo_lm("GPTNeoXForCausalLM", "GPTNeoXConfig", batch, seq, hidden_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, intermediate_size=128, rotary_pct=0.25, max_position_embeddings=64,
+                   use_parallel_residual=True, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def tiny_opt(batch: int = 4, seq: int = 16) -> Case:
+    """OPT: learned positions (offset 2), ReLU MLP, projected word embeddings (word_embed_proj_dim 32)."""
+    return _zoo_lm("OPTForCausalLM", "OPTConfig", batch, seq, hidden_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, ffn_dim=128, max_position_embeddings=64, word_embed_proj_dim=32,
+                   dropout=0.0, attention_dropout=0.0, do_layer_norm_before=True)
+
+
+def tiny_opt_postnorm(batch: int = 4, seq: int = 16) -> Case:
+    """OPT-350m style: post-norm (LayerNorm after each residual add)."""
+    return _zoo_lm("OPTForCausalLM", "OPTConfig", batch, seq, hidden_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, ffn_dim=128, max_position_embeddings=64, dropout=0.0,
+                   attention_dropout=0.0, do_layer_norm_before=False)
+
+
+def tiny_falcon(batch: int = 4, seq: int = 16) -> Case:
+    """Falcon with alibi position biases, multi-query attention and a parallel attention + MLP block."""
+    return _zoo_lm("FalconForCausalLM", "FalconConfig", batch, seq, hidden_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, alibi=True, multi_query=True, parallel_attn=True,
+                   hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def tiny_bloom(batch: int = 4, seq: int = 16) -> Case:
+    """BLOOM: alibi position biases, embedding LayerNorm, fused QKV, GELU MLP."""
+    return _zoo_lm("BloomForCausalLM", "BloomConfig", batch, seq, hidden_size=64, n_layer=2, n_head=4,
+                   hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def tiny_t5(batch: int = 4, seq: int = 16) -> Case:
+    """T5: encoder-decoder, cross-attention, bucketed relative position bias, RMSNorm, untied head."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+                                num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+                                dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+                                tie_word_embeddings=False)
+    ids = _tokens(128, batch, seq)
+    return Case(transformers.T5ForConditionalGeneration(cfg), (ids,), {"labels": _tokens(128, batch, seq, seed=1)})
+
+
+def tiny_bart(batch: int = 4, seq: int = 16) -> Case:
+    """BART: encoder-decoder, learned positions, post-norm, cross-attention, tied shared embeddings."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.BartConfig(vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2,
+                                  encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                                  decoder_ffn_dim=128, max_position_embeddings=64, dropout=0.0,
+                                  attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1,
+                                  bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+    ids = _tokens(128, batch, seq)
+    return Case(transformers.BartForConditionalGeneration(cfg), (ids,),
+                {"labels": _tokens(128, batch, seq, seed=1)})
+
+
+def tiny_vit(batch: int = 4, image: int = 16) -> Case:
+    """ViT: conv patch embedding (4x4 patches), class token, learned positions, 10-way classifier."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                 image_size=image, patch_size=4, num_channels=3, num_labels=10,
+                                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    gen = torch.Generator().manual_seed(0)
+    pixels = torch.randn(batch, 3, image, image, generator=gen)
+    labels = torch.randint(0, 10, (batch,), generator=gen)
+    return Case(transformers.ViTForImageClassification(cfg), (pixels,), {"labels": labels})
+
+
+def tiny_mixtral(batch: int = 4, seq: int = 16, experts_implementation: str = "batched_mm") -> Case:
+    """Mixtral: 4 experts, top-2 routing, GQA. transformers' experts implementations: "eager" loops over
+    the experts hit (data-dependent), "grouped_mm" uses a custom autograd.Function; "batched_mm" gathers
+    each token's expert weights and runs one bmm, which captures."""
+    return _zoo_lm("MixtralForCausalLM", "MixtralConfig", batch, seq, hidden_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, head_dim=16,
+                   num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64, sliding_window=None,
+                   experts_implementation=experts_implementation)
+
+
+ZOO_CASES = {"mistral": tiny_mistral, "qwen2": tiny_qwen2, "gemma": tiny_gemma, "gemma2": tiny_gemma2,
+             "phi": tiny_phi, "gpt_neox": tiny_gpt_neox, "opt": tiny_opt, "opt_postnorm": tiny_opt_postnorm,
+             "falcon": tiny_falcon, "bloom": tiny_bloom, "t5": tiny_t5, "bart": tiny_bart, "vit": tiny_vit,
+             "mixtral": tiny_mixtral,
+             "mixtral_eager": lambda: tiny_mixtral(experts_implementation="eager"),
+             "mixtral_grouped_mm": lambda: tiny_mixtral(experts_implementation="grouped_mm")}
+
+
+def zoo_batches(case: Case, steps: int = 3) -> list:
+    """`steps` different (args, kwargs) batches of the example's shapes: integer tensors redrawn in their
+    value range, float tensors from a normal; a keyword that is a positional input (a causal LM's
+    labels) stays that input."""
+    out = []
+    for seed in range(steps):
+        gen = torch.Generator().manual_seed(100 + seed)
+
+        def redraw(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            if t.dtype == torch.long:
+                return torch.randint(0, int(t.max()) + 1, t.shape, generator=gen)
+            return torch.randn(t.shape, generator=gen, dtype=t.dtype)
+
+        args = tuple(redraw(a) for a in case.args)
+        same = {k: i for k, v in case.kwargs.items() for i, a in enumerate(case.args) if v is a}
+        kwargs = {k: args[same[k]] if k in same else redraw(v) for k, v in case.kwargs.items()}
+        out.append((args, kwargs))
+    return out

@@ -104,6 +104,9 @@ def register(*ops):
 
 
 def find_rule(target) -> Rule | None:
+    if isinstance(target, str):  # a get_attr constant, not an op
+        from autopar.rules.misc import constant_rule
+        return constant_rule
     if target in RULES:
         return RULES[target]
     packet = getattr(target, "overloadpacket", None)
@@ -120,4 +123,4 @@ def normalize_dim(d: int, ndim: int) -> int:
 
 
 # Importing the families registers their rules.
-from autopar.rules import pointwise, matmul, shape, reduction, nn, creation  # noqa: E402,F401
+from autopar.rules import pointwise, matmul, shape, reduction, nn, creation, conv, misc  # noqa: E402,F401
