@@ -23,7 +23,7 @@ from autopar.costgraph import CostEdge, CostGraph, CostNode
 from autopar.costmodel import compute
 from autopar.costmodel.memory import optimizer_state_bytes_per_param
 from autopar.params import input_strategies, param_memory, param_strategies
-from autopar.placement import Shard, local_fraction, replicated
+from autopar.placement import kind, local_fraction, replicated
 from autopar.reshard import ReshardCost
 from autopar.strategies import NodeStrategy, StrategyEnumerator, is_getitem, prune_partials, val_of
 
@@ -59,6 +59,8 @@ class Problem:
     loss_index: int = -1
     param_index: dict = field(default_factory=dict)   # param FQN -> node index
     reshard: ReshardCost = None
+    signatures: dict = field(default_factory=dict)    # op node -> signature (StrategyEnumerator.signature)
+    solver_cache: dict = field(default_factory=dict)  # reused across the solves of one plan (planner)
 
 
 def nbytes_of(val) -> float:
@@ -75,9 +77,9 @@ def resolve(node: fx.Node) -> tuple[fx.Node, int]:
 def split_factor(strat: NodeStrategy, axis_sizes) -> int:
     """Devices the work is divided among: axes where any operand is sharded."""
     f = 1
+    specs = [s for s in (*strat.outs, *strat.ins) if s is not None]
     for axis, n in enumerate(axis_sizes):
-        specs = [s for s in (*strat.outs, *strat.ins) if s is not None]
-        if any(isinstance(s[axis], Shard) for s in specs):
+        if any(kind(s[axis]) == "S" for s in specs):
             f *= n
     return f
 
@@ -130,6 +132,10 @@ class ProblemBuilder:
         self.enumerate = enumerator or StrategyEnumerator(self.axis_sizes)
         self.reshard = ReshardCost(mesh)
         self._matrices: dict[tuple, np.ndarray] = {}
+        # Identical layers repeat (strategy list, op signature) pairs: costs are priced once per pair.
+        # Keys hold id() of strategy lists; each entry also holds the lists, so an id is never reused.
+        self._memo: dict[tuple, tuple[np.ndarray, tuple]] = {}
+        self._placeholder_strategies: dict[tuple, list[NodeStrategy]] = {}
         self.prune = prune  # False keeps every rule strategy (tests compare the optima)
 
     def build(self, allowed=None) -> Problem:
@@ -147,7 +153,8 @@ class ProblemBuilder:
             strats.append(cands)
         if self.prune:
             strats = _same_across_layers(nodes, strats, prune_partials(nodes, strats))
-        prob = Problem(self.gm, self.mesh, nodes, strats, [], [], [], [], reshard=self.reshard)
+        prob = Problem(self.gm, self.mesh, nodes, strats, [], [], [], [], reshard=self.reshard,
+                       signatures=self.enumerate.signature)
         prob.index = {n: i for i, n in enumerate(nodes)}
         prob.param_index = {n.meta["autopar_name"]: prob.index[n] for n in nodes
                             if n.op == "placeholder" and n.meta["autopar_role"] == "param"}
@@ -162,10 +169,13 @@ class ProblemBuilder:
         if node.op != "placeholder":
             return self.enumerate(node)
         shape = tuple(int(s) for s in val_of(node).shape)
-        if node.meta["autopar_role"] == "param":
-            trainable = node.meta["autopar_name"] in self.captured.grad_param_names
-            return param_strategies(shape, self.axis_sizes, trainable)
-        return input_strategies(shape, self.axis_sizes)
+        is_param = node.meta["autopar_role"] == "param"
+        trainable = is_param and node.meta["autopar_name"] in self.captured.grad_param_names
+        key = (shape, is_param, trainable)  # one shared list per kind of input, as for ops
+        if key not in self._placeholder_strategies:
+            self._placeholder_strategies[key] = (param_strategies(shape, self.axis_sizes, trainable) if is_param
+                                                 else input_strategies(shape, self.axis_sizes))
+        return self._placeholder_strategies[key]
 
     def _node_costs(self, prob: Problem) -> None:
         saved = {}
@@ -180,13 +190,30 @@ class ProblemBuilder:
             if node.op == "placeholder":
                 prob.compute.append(self._placeholder_costs(node, strats, mem, comm, opt_bytes))
             else:
-                prob.compute.append(_node_compute(node, strats, self.hw, self.axis_sizes))
-            outs = val if isinstance(val, (tuple, list)) else (val,)
-            for i in saved.get(node, ()):
-                for s_idx, s in enumerate(strats):
-                    mem["activations"][s_idx] += nbytes_of(outs[i]) * local_fraction(s.outs[i], self.axis_sizes)
+                prob.compute.append(self._memoized(("compute", id(strats), self.enumerate.signature[node]), (strats,),
+                                                   lambda: _node_compute(node, strats, self.hw, self.axis_sizes)))
+            if node in saved:
+                key = ("saved", id(strats), self.enumerate.signature.get(node, node), tuple(saved[node]))
+                mem["activations"] = self._memoized(key, (strats,), lambda: self._saved_bytes(val, strats, saved[node]))
             prob.local_comm.append(comm)
             prob.memory.append(mem)
+
+    def _memoized(self, key: tuple, lists: tuple, make) -> np.ndarray:
+        """make() once per key; the array is shared (read-only) by every node or edge with that key."""
+        if key not in self._memo:
+            arr = make()
+            arr.flags.writeable = False
+            self._memo[key] = (arr, lists)
+        return self._memo[key][0]
+
+    def _saved_bytes(self, val, strats: list[NodeStrategy], outputs: list[int]) -> np.ndarray:
+        """Bytes per device, per strategy, of the outputs backward reads."""
+        outs = val if isinstance(val, (tuple, list)) else (val,)
+        act = np.zeros(len(strats))
+        for i in outputs:
+            for s_idx, s in enumerate(strats):
+                act[s_idx] += nbytes_of(outs[i]) * local_fraction(s.outs[i], self.axis_sizes)
+        return act
 
     def _placeholder_costs(self, node, strats, mem, comm, opt_bytes) -> np.ndarray:
         val = val_of(node)
@@ -235,8 +262,13 @@ class ProblemBuilder:
             prob.local_comm[prob.loss_index][k] += self.reshard.time(s.outs[out], rep, nbytes, bucketed=True)
 
     def edge_matrix(self, prob: Problem, e: EdgeInfo) -> np.ndarray:
-        """Seconds of resharding per (src strategy, dst strategy), priced once per unique spec pair."""
+        """Seconds of resharding per (src strategy, dst strategy), priced once per unique spec pair;
+        edges between the same strategy lists (identical layers) share one read-only matrix."""
         src_s, dst_s = prob.strategies[e.src], prob.strategies[e.dst]
+        key = ("edge", e.kind, id(src_s), id(dst_s), e.out, e.pos, float(e.nbytes))
+        return self._memoized(key, (src_s, dst_s), lambda: self._edge_matrix(src_s, dst_s, e))
+
+    def _edge_matrix(self, src_s: list[NodeStrategy], dst_s: list[NodeStrategy], e: EdgeInfo) -> np.ndarray:
         if e.kind == "grad":  # src is the parameter: its master spec; dst produces the gradient
             src_specs = [s.master for s in src_s]
             dst_specs = [d.outs[e.out] for d in dst_s]
@@ -282,12 +314,20 @@ def _same_across_layers(nodes: list[fx.Node], full: list[list], pruned: list[lis
             slots.setdefault((key[0], pos, str(node.target), len(full[i])), []).append(i)
     out = list(pruned)
     for members in slots.values():
-        union = set().union(*(pruned[i] for i in members))
-        shared: dict[int, list] = {}  # one list object per distinct full list (recipes memoize by id)
+        kept = list({id(pruned[i]): pruned[i] for i in members}.values())  # identical layers share lists
+        fulls = list({id(full[i]): full[i] for i in members}.values())
+        if len(fulls) == 1:  # all pruned lists are sublists of one list (no duplicates): union by identity
+            union_ids = set().union(*(map(id, lst) for lst in kept))
+            shared = fulls[0] if len(union_ids) == len(fulls[0]) else [s for s in fulls[0] if id(s) in union_ids]
+            for i in members:
+                out[i] = shared
+            continue
+        union = set().union(*kept)
+        by_full: dict[int, list] = {}  # one list object per distinct full list (recipes memoize by id)
         for i in members:
-            if id(full[i]) not in shared:
-                shared[id(full[i])] = [s for s in full[i] if s in union]
-            out[i] = shared[id(full[i])]
+            if id(full[i]) not in by_full:
+                by_full[id(full[i])] = [s for s in full[i] if s in union]
+            out[i] = by_full[id(full[i])]
     return out
 
 

@@ -46,47 +46,69 @@ def _combine(v: int, fids: list[int], factors: dict[int, Factor], size: dict[int
     return scope[:ax] + scope[ax + 1:], table.min(axis=ax), table.argmin(axis=ax)
 
 
-def variable_elimination(unary: dict[int, np.ndarray], edges: dict[tuple[int, int], np.ndarray],
-                         max_table: int = 4_000_000) -> tuple[dict[int, int], float] | None:
-    """Exact min-sum over a pairwise cost graph; None when an elimination table exceeds max_table."""
-    unary, edges, constant = _fold_single(unary, edges)
-    size = {v: len(c) for v, c in unary.items()}
-    factors: dict[int, Factor] = {i: ((v,), c) for i, (v, c) in enumerate(unary.items())}
-    holding: dict[int, set[int]] = {v: {i} for i, v in enumerate(unary)}
-    nbrs: dict[int, set[int]] = {v: set() for v in unary}
-    for (u, v), r in edges.items():
-        fid = len(factors)
-        factors[fid] = ((u, v), r)
-        holding[u].add(fid), holding[v].add(fid), nbrs[u].add(v), nbrs[v].add(u)
-    heap = [(_elim_cost(v, nbrs, size), v) for v in unary]
+def elimination_order(sizes: dict[int, int], edges, max_table: int = 4_000_000) -> list[int] | None:
+    """The greedy smallest-table order `variable_elimination` eliminates nodes in, found from the
+    graph's shape alone (strategy counts, edge keys); None when a table would exceed max_table.
+    No costs are read, so one order serves every cost vector on the same graph (the Lagrangian
+    steps, the least-memory problem), and a graph too large for the DP is refused before any work."""
+    single = {v for v, k in sizes.items() if k == 1}
+    nbrs: dict[int, set[int]] = {v: set() for v in sizes}
+    for u, v in edges:
+        if u not in single and v not in single:  # as `_fold_single` folds them
+            nbrs[u].add(v), nbrs[v].add(u)
+    heap = [(_elim_cost(v, nbrs, sizes), v) for v in sizes]
     heapq.heapify(heap)
-    done, trail, next_id = set(), [], len(factors)
+    done, order = set(), []
     while heap:
         cost, v = heapq.heappop(heap)
         if v in done:
             continue
-        if cost != _elim_cost(v, nbrs, size):
-            heapq.heappush(heap, (_elim_cost(v, nbrs, size), v))
+        if cost != _elim_cost(v, nbrs, sizes):
+            heapq.heappush(heap, (_elim_cost(v, nbrs, sizes), v))
             continue
         if cost > max_table or len(nbrs[v]) >= 32:  # numpy tables have at most 64 dims
             return None
+        rest = nbrs.pop(v)  # the scope of v's combined factor, less v
+        for a in rest:
+            nbrs[a].discard(v)
+            nbrs[a].update(b for b in rest if b != a)
+            heapq.heappush(heap, (_elim_cost(a, nbrs, sizes), a))
+        done.add(v)
+        order.append(v)
+    return order
+
+
+def variable_elimination(unary: dict[int, np.ndarray], edges: dict[tuple[int, int], np.ndarray],
+                         max_table: int = 4_000_000, order: list[int] | None = None
+                         ) -> tuple[dict[int, int], float] | None:
+    """Exact min-sum over a pairwise cost graph; None when an elimination table exceeds max_table.
+    `order` (from `elimination_order` on the same graph shape) saves finding it again."""
+    if order is None:
+        order = elimination_order({v: len(c) for v, c in unary.items()}, edges, max_table)
+        if order is None:
+            return None
+    unary, edges, constant = _fold_single(unary, edges)
+    size = {v: len(c) for v, c in unary.items()}
+    factors: dict[int, Factor] = {i: ((v,), c) for i, (v, c) in enumerate(unary.items())}
+    holding: dict[int, set[int]] = {v: {i} for i, v in enumerate(unary)}
+    for (u, v), r in edges.items():
+        fid = len(factors)
+        factors[fid] = ((u, v), r)
+        holding[u].add(fid), holding[v].add(fid)
+    trail, next_id = [], len(factors)
+    for v in order:
         rest, tmin, arg = _combine(v, sorted(holding[v]), factors, size)
         for f in holding.pop(v):
             for s in factors.pop(f)[0]:
                 if s != v:
                     holding[s].discard(f)
-        for a in rest:
-            nbrs[a].discard(v)
-            nbrs[a].update(b for b in rest if b != a)
         if rest:
             factors[next_id] = (rest, tmin)
             for a in rest:
                 holding[a].add(next_id)
-                heapq.heappush(heap, (_elim_cost(a, nbrs, size), a))
             next_id += 1
         else:
             constant += float(tmin)
-        done.add(v)
         trail.append((v, rest, arg))
     choice: dict[int, int] = {}
     for v, rest, arg in reversed(trail):
@@ -113,10 +135,17 @@ def _fold_single(unary: dict[int, np.ndarray], edges: dict[tuple[int, int], np.n
     return unary, rest, constant
 
 
-def solve_unconstrained(p: Problem, lam: float = 0.0) -> tuple[dict[int, int], float] | None:
-    """Exact min of time + lam * memory over p (its budget ignored); None if the DP is too large."""
+def problem_order(p: Problem) -> list[int] | None:
+    """`elimination_order` of p's graph (None: too large for the DP)."""
+    return elimination_order({i: len(t) for i, t in p.time.items()}, p.edges)
+
+
+def solve_unconstrained(p: Problem, lam: float = 0.0, order: list[int] | None = None
+                        ) -> tuple[dict[int, int], float] | None:
+    """Exact min of time + lam * memory over p (its budget ignored); None if the DP is too large.
+    `order`: `problem_order(p)` when the caller has it (it depends on p's shape only)."""
     unary = {i: p.time[i] + lam * p.memory[i] if lam else p.time[i] for i in p.time}
-    out = variable_elimination(unary, p.edges)
+    out = variable_elimination(unary, p.edges, order=order)
     if out is None:
         return None
     return out[0], out[1] + p.time_offset + lam * p.memory_offset
@@ -131,17 +160,18 @@ class LagrangeResult:
 
 
 def lagrangian(p: Problem, budget: float, start: dict[int, int], *, iterations: int = 24,
-               deadline: float = math.inf, tol: float = 1e-9) -> LagrangeResult | None:
+               deadline: float = math.inf, tol: float = 1e-9, order: list[int] | None = None) -> LagrangeResult | None:
     """Bisect λ for min time + λ (memory - budget), from `start` (the λ = 0 optimum, over budget)."""
+    order = problem_order(p) if order is None else order
     t0, m0 = p.evaluate(start)
     best, best_t, bound, lo, hi = None, math.inf, t0, 0.0, max(abs(t0), 1e-12) / max(m0, 1.0)
     for it in range(iterations + 64):
         if _time.monotonic() > deadline or (best is not None and it >= iterations):
             return LagrangeResult(best, best_t, bound, it)
-        lam = hi if best is None else 0.5 * (lo + hi)
-        out = solve_unconstrained(p, lam)
-        if out is None:
+        if order is None:  # the DP is too large for this graph
             return None
+        lam = hi if best is None else 0.5 * (lo + hi)
+        out = solve_unconstrained(p, lam, order)
         t, m = p.evaluate(out[0])
         bound = max(bound, out[1] - lam * budget)
         if m <= budget:

@@ -22,19 +22,35 @@ def S(dim: int) -> Shard:
     return Shard(dim)
 
 
+# type -> "R" | "S" | "P" ("" for anything else). A dict lookup, because isinstance against DTensor's
+# placement classes is slow in torch 2.13: a Python __instancecheck__ runs on every negative answer.
+_KINDS: dict[type, str] = {Replicate: "R", Shard: "S", Partial: "P"}
+
+
+def kind(p) -> str:
+    """The letter of a placement's class: R (Replicate), S (Shard), P (Partial), subclasses included;
+    the empty string for anything else."""
+    k = _KINDS.get(type(p))
+    if k is None:
+        k = _KINDS[type(p)] = ("S" if isinstance(p, Shard) else "P" if isinstance(p, Partial)
+                               else "R" if isinstance(p, Replicate) else "")
+    return k
+
+
 def is_shard(p: Placement, dim: int | None = None) -> bool:
-    return isinstance(p, Shard) and (dim is None or p.dim == dim)
+    return kind(p) == "S" and (dim is None or p.dim == dim)
 
 
 def is_partial(p: Placement) -> bool:
-    return isinstance(p, Partial)
+    return kind(p) == "P"
 
 
 def to_str(p: Placement) -> str:
     """Compact text: R, S0, P, Pavg, Pmax."""
-    if isinstance(p, Replicate):
+    k = kind(p)
+    if k == "R":
         return "R"
-    if isinstance(p, Shard):
+    if k == "S":
         return f"S{p.dim}"
     op = p.reduce_op
     return "P" if op == "sum" else f"P{op}"
@@ -58,15 +74,19 @@ def spec_str(spec: Spec) -> str:
 
 def shard_factor(spec: Spec, dim: int, axis_sizes: Sequence[int]) -> int:
     """How many pieces dimension `dim` is cut into by this spec."""
-    return math.prod(n for p, n in zip(spec, axis_sizes) if is_shard(p, dim))
+    return math.prod(n for p, n in zip(spec, axis_sizes) if kind(p) == "S" and p.dim == dim)
 
 
 def divides(spec: Spec, shape: Sequence[int], axis_sizes: Sequence[int]) -> bool:
     """True when every sharded dimension splits evenly (uneven shards are never chosen)."""
-    for p in spec:
-        if isinstance(p, Shard) and not (0 <= p.dim < len(shape)):
-            return False
-    return all(shape[d] % shard_factor(spec, d, axis_sizes) == 0 for d in range(len(shape)))
+    pieces: dict[int, int] = {}  # dim -> shard_factor(spec, dim, axis_sizes), for sharded dims
+    for p, n in zip(spec, axis_sizes):
+        if kind(p) == "S":
+            d = p.dim
+            if not 0 <= d < len(shape):
+                return False
+            pieces[d] = pieces.get(d, 1) * n
+    return all(shape[d] % f == 0 for d, f in pieces.items())
 
 
 def local_shape(spec: Spec, shape: Sequence[int], axis_sizes: Sequence[int]) -> tuple[int, ...]:
@@ -75,7 +95,7 @@ def local_shape(spec: Spec, shape: Sequence[int], axis_sizes: Sequence[int]) -> 
 
 def local_fraction(spec: Spec, axis_sizes: Sequence[int]) -> float:
     """Fraction of the global tensor a device stores (Partial and Replicate store it whole)."""
-    return 1.0 / math.prod(n for p, n in zip(spec, axis_sizes) if isinstance(p, Shard))
+    return 1.0 / math.prod(n for p, n in zip(spec, axis_sizes) if kind(p) == "S")
 
 
 def replicated(ndim_mesh: int) -> Spec:

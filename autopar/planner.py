@@ -56,6 +56,7 @@ def plan_captured(captured, model, example_inputs, *, mesh, strategy="auto", mem
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     wanted = recipes.normalize(strategy, mesh)
+    _check_batch_divides(wanted, mesh, example_inputs)
     time_limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
     timer = timer if timer is not None else _Timer()
     with timer("strategies+costs"):  # candidate placements per op, priced in seconds and bytes
@@ -71,6 +72,31 @@ def plan_captured(captured, model, example_inputs, *, mesh, strategy="auto", mem
                      example_inputs)
 
 
+DATA_PARALLEL = ("dp", "zero1", "zero2", "zero3")
+
+
+def _check_batch_divides(wanted: tuple[str, ...], mesh: Mesh, example_inputs) -> None:
+    """A data-parallel recipe splits the batch (dim 0 of the first input) over its axes: it must divide."""
+    ways = int(np.prod([n for r, n in zip(wanted, mesh.shape) if r in DATA_PARALLEL]))
+    first = next((t for t in _tensors(example_inputs) if t.dim() > 0), None)
+    if first is not None and ways > 1:
+        batch = int(first.shape[0])
+        if batch % ways:
+            axes = [a for a, r in zip(mesh.axis_names, wanted) if r in DATA_PARALLEL]
+            raise InputError(
+                f"the batch ({batch}) does not divide over the {ways} data-parallel ranks of mesh axes {axes} "
+                f"that strategy {'/'.join(wanted)} splits it across: use a global batch that is a multiple of "
+                f"{ways}, or strategy='auto' (which may split something else)")
+
+
+def _tensors(inputs) -> list:
+    items = list(inputs) if isinstance(inputs, (tuple, list)) else [inputs]
+    out = []
+    for x in items:
+        out.extend(x.values() if isinstance(x, dict) else [x])
+    return [x for x in out if hasattr(x, "shape") and hasattr(x, "dim")]
+
+
 def _reject_unsupported(kw: dict) -> None:
     for key, value in kw.items():
         if key in ("num_stages", "num_microbatches", "schedule") and value in (None, 1):
@@ -81,21 +107,25 @@ def _reject_unsupported(kw: dict) -> None:
 
 
 def _fixed(prob, captured, mesh, names, propagated=None) -> dict[int, list[int]] | None:
-    allowed = recipes.restriction(captured.gm, names, tuple(mesh.shape), propagated)
+    allowed = recipes.restriction(captured.gm, names, tuple(mesh.shape), propagated, prob.signatures)
     if allowed is None:
         return None
-    fixed = {}
+    fixed, indices = {}, {}  # indices: (id of list, id of its filtered list) -> kept positions
     for i, (node, strats) in enumerate(zip(prob.nodes, prob.strategies)):
-        keep = allowed(node, strats)
+        keep = allowed(node, strats)  # identical layers get the same list back (recipes memoize)
         if len(keep) < len(strats):
-            ids = {id(s): k for k, s in enumerate(strats)}
-            fixed[i] = sorted(ids[id(s)] for s in keep)
+            key = (id(strats), id(keep))
+            if key not in indices:
+                ids = {id(s): k for k, s in enumerate(strats)}
+                indices[key] = (sorted(ids[id(s)] for s in keep), strats, keep)  # lists held: ids stay unique
+            fixed[i] = indices[key][0]
     return fixed
 
 
 def _solve(prob, **kw):
-    """The solver on the whole cost graph; identical layers are solved once and tiled."""
-    return solve(prob.cg, dedup_layers=bool(prob.cg.layer_groups), **kw)
+    """The solver on the whole cost graph; identical layers are solved once and tiled. The solves of
+    one plan share `prob.solver_cache` (the layer quotient is built once)."""
+    return solve(prob.cg, dedup_layers=bool(prob.cg.layer_groups), cache=prob.solver_cache, **kw)
 
 
 def _baselines(prob, captured, mesh, time_limit):

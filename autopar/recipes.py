@@ -43,14 +43,17 @@ def normalize(strategy, mesh) -> tuple[str, ...]:
     raise InputError(f"strategy must be a recipe name or a dict {{axis_name: recipe}}, got {type(strategy).__name__}")
 
 
-def batch_propagation(gm: fx.GraphModule, n: int = 2) -> dict[fx.Node, object]:
+def batch_propagation(gm: fx.GraphModule, n: int = 2, signatures: dict | None = None) -> dict[fx.Node, object]:
     """The 1-D placement each value takes when the user inputs are split along dim 0.
 
     Parameters and buffers start Replicate; each op takes the rule strategy that accepts its inputs'
     placements (a Replicate input may be sliced to a Shard for free) preferring Shard, then Partial,
     then Replicate outputs. Multi-output ops map to the tuple of output placements.
+    The choice depends only on the op's signature (`StrategyEnumerator.signature`, computed here when
+    `signatures` lacks the node) and its inputs' placements, so it is made once per such pair.
     """
     enum = StrategyEnumerator((n,))
+    memo: dict[tuple, object] = {}
     place: dict[fx.Node, object] = {}
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -61,8 +64,18 @@ def batch_propagation(gm: fx.GraphModule, n: int = 2) -> dict[fx.Node, object]:
             outs = place[node.args[0]]
             place[node] = outs[node.args[1]] if isinstance(outs, tuple) else outs
         elif node.op == "call_function" and val_of(node) is not None:
-            place[node] = _best(enum, node, [place.get(a, R) for a in node.all_input_nodes])
+            have = [place.get(a, R) for a in node.all_input_nodes]
+            sig = signatures.get(node) if signatures is not None else None
+            key = (sig if sig is not None else _signature(node), isinstance(val_of(node), (tuple, list)), tuple(have))
+            if key not in memo:
+                memo[key] = _best(enum, node, have)
+            place[node] = memo[key]
     return place
+
+
+def _signature(node: fx.Node) -> str:
+    call = OpCall(node, val_of)
+    return repr((node.target, call.args, call.kwargs, call.outs))
 
 
 def _rank(outs) -> int:
@@ -90,15 +103,16 @@ def _in_info(call: OpCall):
 
 
 def restriction(gm: fx.GraphModule, recipes: tuple[str, ...], axis_sizes: tuple[int, ...],
-                propagated: dict | None = None) -> Callable | None:
+                propagated: dict | None = None, signatures: dict | None = None) -> Callable | None:
     """A filter `allowed(node, strategies) -> strategies` implementing the recipes, or None for auto.
-    `propagated` (axis size -> `batch_propagation` result) lets several recipes share one walk."""
+    `propagated` (axis size -> `batch_propagation` result) lets several recipes share one walk;
+    `signatures` (node -> op signature, see `batch_propagation`) saves recomputing them."""
     if all(r == "auto" for r in recipes):
         return None
     propagated = {} if propagated is None else propagated
     for axis, r in enumerate(recipes):
         if r != "auto" and axis_sizes[axis] not in propagated:
-            propagated[axis_sizes[axis]] = batch_propagation(gm, axis_sizes[axis])
+            propagated[axis_sizes[axis]] = batch_propagation(gm, axis_sizes[axis], signatures)
     batch = {axis: propagated[axis_sizes[axis]] for axis, r in enumerate(recipes) if r != "auto"}
 
     def ok(node: fx.Node, strat, axis: int, recipe: str) -> bool:
@@ -126,15 +140,15 @@ def restriction(gm: fx.GraphModule, recipes: tuple[str, ...], axis_sizes: tuple[
     memo: dict[tuple, tuple[list, list]] = {}
 
     def allowed(node: fx.Node, strategies: list) -> list:
-        # ops of identical layers share one strategy list: filter it once per batch placement
-        key = None if node.op == "placeholder" else \
-            (id(strategies), tuple(batch[a].get(node) for a, r in enumerate(recipes) if r != "auto"))
+        # identical layers share one strategy list: filter it once per batch placement (and, for
+        # parameters and inputs, whose filter reads the shape, once per shape)
+        key = (id(strategies), tuple(batch[a].get(node) for a, r in enumerate(recipes) if r != "auto"),
+               tuple(val_of(node).shape) if node.op == "placeholder" else None)
         if key in memo:
             return memo[key][1]
         keep = [s for s in strategies if all(ok(node, s, a, r) for a, r in enumerate(recipes) if r != "auto")]
         keep = keep or strategies[:1]  # nothing matches: the all-Replicate strategy (always first)
-        if key is not None:
-            memo[key] = (strategies, keep)  # holding `strategies` keeps its id unique
+        memo[key] = (strategies, keep)  # holding `strategies` keeps its id unique
         return keep
 
     return allowed

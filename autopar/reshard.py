@@ -104,6 +104,22 @@ def steps(src: Spec, dst: Spec, nbytes: float, axis_sizes: tuple[int, ...]) -> l
     return out
 
 
+def _templates(src: Spec, dst: Spec, axis_sizes: tuple[int, ...]) -> list[tuple[str, int, float, int]]:
+    """`steps` for any byte count: (kind, axis, fraction of the bytes held, divisor) per step, so that
+    step bytes = nbytes * fraction / divisor (the divisor only for all_to_all), as `steps` computes."""
+    out = []
+    current = list(src)
+    for axis, frm, to in transitions(src, dst):
+        n = axis_sizes[axis]
+        frac = local_fraction(tuple(p for a, p in enumerate(current) if a != axis),
+                              tuple(m for a, m in enumerate(axis_sizes) if a != axis))
+        step = axis_step(frm, to, axis, 1.0, n)
+        if step is not None:
+            out.append((step.kind, axis, frac, n if step.kind == "all_to_all" else 1))
+        current[axis] = to
+    return out
+
+
 class ReshardCost:
     """Prices spec changes on a mesh, caching by (src, dst, bytes, bucketed)."""
 
@@ -111,6 +127,7 @@ class ReshardCost:
         self.mesh = mesh
         self.axis_sizes = tuple(mesh.shape)
         self._time = lru_cache(maxsize=None)(self._compute)
+        self._templates = lru_cache(maxsize=None)(lambda src, dst: _templates(src, dst, self.axis_sizes))
 
     def step_time(self, step: Step, bucketed: bool = False, total_bytes: float | None = None) -> float:
         link = self.mesh.hardware.link(self.mesh.link_kind(step.axis), step.kind)
@@ -123,12 +140,15 @@ class ReshardCost:
         return t if bucketed else t + LAUNCH_FRACTION * link.latency
 
     def _compute(self, src: Spec, dst: Spec, nbytes: float, bucketed: bool) -> float:
-        return sum(self.step_time(s, bucketed, nbytes) for s in steps(src, dst, nbytes, self.axis_sizes))
+        # the same floating-point operations as summing step_time over steps(src, dst, nbytes)
+        return sum(self.step_time(Step(kind, axis, nbytes * frac / div if div != 1 else nbytes * frac),
+                                  bucketed, nbytes)
+                   for kind, axis, frac, div in self._templates(src, dst))
 
     def time(self, src: Spec, dst: Spec, nbytes: float, bucketed: bool = False) -> float:
-        if src == dst:
+        if src is dst:
             return 0.0
-        return self._time(src, dst, float(nbytes), bucketed)
+        return self._time(src, dst, float(nbytes), bucketed) or 0.0
 
     def steps(self, src: Spec, dst: Spec, nbytes: float) -> list[Step]:
         return steps(src, dst, nbytes, self.axis_sizes)

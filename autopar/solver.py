@@ -22,180 +22,35 @@ is recomputed exactly in floating point from the original graph by `evaluate`.
 
 `solve` first drops forbidden and dominated strategies (`simplify.compact`, exact), then solves the
 problem without the memory row exactly (variable elimination; HiGHS when the elimination tables are
-too large, as on 2-D meshes, where nodes carry up to ~64 strategies); if that plan fits, it is optimal. Otherwise it proves feasibility with `min_memory` (or raises
-`InfeasiblePlanError`), runs a Lagrangian bisection for a feasible incumbent and a lower bound, then
-the ILP warm-started from the incumbent. A time limit never leaves it without a plan: the
-incumbent, the hint or the minimum-memory plan is returned.
+too large, as on 2-D meshes, where nodes carry up to ~64 strategies, which the elimination order,
+found from the graph's shape alone, tells before any work); if that plan fits, it is optimal.
+Otherwise it proves feasibility with `min_memory` (or raises `InfeasiblePlanError`; when even the
+per-node memory minima exceed the budget it goes there first), runs a Lagrangian bisection for a
+feasible incumbent and a lower bound, then the ILP warm-started from the incumbent. A time limit
+never leaves it without a plan: the incumbent, the hint or the minimum-memory plan is returned.
 
 Determinism: the DP, HiGHS/SCIP/CBC (one thread) and CP-SAT solved to optimality repeat byte for
 byte; under a time limit with deterministic=True CP-SAT runs `interleave_search` and stops on
 `max_deterministic_time` = half the remaining limit (the wall clock is only a safety net).
-Backend choice, measured by benchmarks/solver_backends.py: see BENCHMARK below.
+Backend choice, measured by benchmarks/solver_backends.py: see BENCHMARK in `autopar.ilp`.
 """
 from __future__ import annotations
 
 import math
 import time as _time
-from dataclasses import dataclass, field
 
 import numpy as np
-from ortools.linear_solver import pywraplp
 
 from .costgraph import CostEdge, CostGraph, CostNode, Solution
-from .dp_oracle import brute_force, lagrangian, solve_unconstrained
+from .dp_oracle import brute_force, lagrangian, problem_order, solve_unconstrained
 from .errors import InfeasiblePlanError, InputError, SolverError
+from .ilp import BACKENDS, build_model, run_model
 from .simplify import Problem, compact, from_costgraph, quotient_layers, restore, simplify
 
 __all__ = ["solve", "min_memory", "evaluate", "restrict", "brute_force", "BACKENDS"]
 
-# BENCHMARK (benchmarks/solver_backends.py, 5 s limit, 2 shared cores; 25 ops/layer, 4-16 strategies):
-# - no memory row: variable elimination ("dp") is exact and fastest: 0.01 / 0.03 / 0.21 s at
-#   102 / 402 / 1,202 nodes, vs 0.02 / 0.07 / 0.42 s for the best ILP (HiGHS, CP-SAT): 2-3x.
-# - memory row, 102 nodes: CP-SAT tuned + Lagrangian hint 0.58 s optimal (non-deterministic
-#   portfolio), HiGHS 1.4 s, SCIP 2.7 s, CBC 4.2 s, CP-SAT default 2.5 s at 23% gap. At 402 nodes
-#   none proves optimality in 5 s: auto 0.2-0.35% gap, CBC 0.4%, SCIP/CP-SAT alone 18-100%, and
-#   pywraplp's HiGHS returns no incumbent at a time limit (ortools 9.15), and SetHint crashes it.
-# Winner for "auto": DP, then Lagrangian bisection, then CP-SAT tuned warm-started from the
-# Lagrangian incumbent. Deterministic mode uses interleave_search + a deterministic time limit
-# (slower: 5 s vs 0.6 s at 102 nodes); with deterministic=False the free portfolio runs.
-BACKENDS = {"highs": "HIGHS", "scip": "SCIP", "cbc": "CBC", "cpsat": "CP_SAT",
-            "cpsat_default": "CP_SAT", "dp": None, "auto": "CP_SAT"}
-_CPSAT_PARAMS = {
-    "cpsat": "num_workers: 2 extra_subsolvers: 'max_lp' cp_model_probing_level: 0 random_seed: 0",
-    "cpsat_default": "num_workers: 2 random_seed: 0",
-}
-_MIP_BACKEND = "cpsat"     # the ILP used by "auto" (see BENCHMARK)
-
-
-@dataclass
-class _Model:
-    solver: pywraplp.Solver
-    integer: bool
-    x: dict[int, dict[int, object]] = field(default_factory=dict)
-    e: dict[tuple[int, int], dict[tuple[int, int], object]] = field(default_factory=dict)
-    scale: float = 1.0
-
-
-def _coef(m: _Model, value: float) -> float:
-    return float(round(value * m.scale)) if m.integer else float(value)
-
-
-def make_variables(m: _Model, p: Problem) -> None:
-    """x[i,s] for every allowed strategy; e[u,v,s,t] for every finite pair of allowed strategies."""
-    var = m.solver.BoolVar if m.integer else (lambda name: m.solver.NumVar(0.0, 1.0, name))
-    for i, c in p.time.items():
-        m.x[i] = {int(s): m.solver.BoolVar(f"x[{i},{s}]") for s in np.flatnonzero(np.isfinite(c))}
-    for (u, v), r in p.edges.items():
-        pairs = np.argwhere(np.isfinite(r))
-        m.e[u, v] = {(int(s), int(t)): var(f"e[{u},{v},{s},{t}]") for s, t in pairs
-                     if s in m.x[u] and t in m.x[v]}
-
-
-def add_one_strategy(m: _Model, p: Problem) -> None:
-    """one_strategy[i]: Σ_s x[i,s] = 1."""
-    for i, xs in m.x.items():
-        row = m.solver.Constraint(1, 1, f"one_strategy[{p.names[i]}]")
-        for x in xs.values():
-            row.SetCoefficient(x, 1)
-
-
-def add_edge_consistency(m: _Model, p: Problem) -> None:
-    """edge_consistency: Σ_t e[u,v,s,t] = x[u,s] and Σ_s e[u,v,s,t] = x[v,t] (rows with some e)."""
-    for (u, v), es in m.e.items():
-        for end, node in ((0, u), (1, v)):
-            rows: dict[int, list] = {}
-            for pair, var in es.items():
-                rows.setdefault(pair[end], []).append(var)
-            for s, vars_ in rows.items():
-                row = m.solver.Constraint(0, 0, f"edge_consistency[{u},{v},{'st'[end]}={s}]")
-                row.SetCoefficient(m.x[node][s], -1)
-                for var in vars_:
-                    row.SetCoefficient(var, 1)
-
-
-def add_forbidden_pairs(m: _Model, p: Problem) -> None:
-    """forbidden_pairs[u,v,s]: x[u,s] = 0 when every pair (s, t) of edge (u, v) is forbidden."""
-    for (u, v), es in m.e.items():
-        for end, node in ((0, u), (1, v)):
-            used = {pair[end] for pair in es}
-            for s, x in m.x[node].items():
-                if s not in used:
-                    m.solver.Constraint(0, 0, f"forbidden_pairs[{u},{v},{node}:{s}]").SetCoefficient(x, 1)
-
-
-def add_memory_budget(m: _Model, p: Problem) -> None:
-    """memory_budget: Σ_i Σ_s m_i[s] x[i,s] <= budget - memory_offset (bytes; scaled for LP solvers)."""
-    rhs = p.budget - p.memory_offset
-    if m.integer:
-        unit, rhs = 1.0, math.floor(rhs)
-    else:
-        unit = max([float(np.abs(mem).max()) for mem in p.memory.values()] + [1.0])
-    row = m.solver.Constraint(-m.solver.infinity(), rhs / unit, "memory_budget")
-    for i, xs in m.x.items():
-        for s, x in xs.items():
-            row.SetCoefficient(x, math.ceil(p.memory[i][s]) if m.integer else p.memory[i][s] / unit)
-
-
-def set_objective(m: _Model, p: Problem) -> None:
-    """minimise Σ c_i[s] x[i,s] + Σ R_uv[s,t] e[u,v,s,t] (the constant time_offset added after)."""
-    obj = m.solver.Objective()
-    for i, xs in m.x.items():
-        for s, x in xs.items():
-            obj.SetCoefficient(x, _coef(m, p.time[i][s]))
-    for (u, v), es in m.e.items():
-        r = p.edges[u, v]
-        for (s, t), var in es.items():
-            obj.SetCoefficient(var, _coef(m, r[s, t]))
-    obj.SetMinimization()
-
-
-def build_model(p: Problem, backend: str) -> _Model:
-    """The ILP above for a simplified problem, one function per constraint family."""
-    solver = pywraplp.Solver.CreateSolver(BACKENDS[backend])
-    if solver is None:
-        raise SolverError(f"backend {backend!r} is not available in this OR-tools build")
-    solver.SuppressOutput()  # HiGHS otherwise prints its banner to stdout, into the user's output
-    if backend == "highs":
-        solver.SetSolverSpecificParametersAsString("output_flag=false\n")
-    m = _Model(solver, integer=backend.startswith("cpsat"))
-    finite = [np.abs(c[np.isfinite(c)]).max(initial=0.0) for c in (*p.time.values(), *p.edges.values())]
-    m.scale = 2.0 ** 30 / max(max(finite, default=0.0), 1e-30)
-    make_variables(m, p)
-    add_one_strategy(m, p)
-    add_forbidden_pairs(m, p)
-    add_edge_consistency(m, p)
-    if p.budget is not None:
-        add_memory_budget(m, p)
-    set_objective(m, p)
-    return m
-
-
-def _run_model(m: _Model, p: Problem, backend: str, seconds: float, hint: dict[int, int] | None,
-               deterministic: bool, gap: float) -> tuple[dict[int, int] | None, str, float]:
-    """Solve the model; (assignment or None, "optimal"|"feasible"|"infeasible"|"unknown", bound)."""
-    s = m.solver
-    if math.isfinite(seconds):
-        s.SetTimeLimit(max(int(seconds * 1000), 10))
-    if m.integer:
-        extra = f" relative_gap_limit: {gap}"
-        if deterministic and math.isfinite(seconds):  # stop on work done, not on the clock
-            extra += f" interleave_search: true max_deterministic_time: {0.5 * seconds}"
-        s.SetSolverSpecificParametersAsString(_CPSAT_PARAMS[backend] + extra)
-    else:
-        s.SetNumThreads(1)
-    if hint is not None and backend not in ("highs", "auto", "dp"):  # SetHint crashes HiGHS 1.12
-        xs = [(x, float(hint[i] == k)) for i, d in m.x.items() for k, x in d.items()]
-        es = [(e, float(hint[u] == a and hint[v] == b)) for (u, v), d in m.e.items()
-              for (a, b), e in d.items()]
-        s.SetHint([v for v, _ in xs + es], [w for _, w in xs + es])
-    params = pywraplp.MPSolverParameters()
-    params.SetDoubleParam(params.RELATIVE_MIP_GAP, gap)
-    status = s.Solve(params)
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        return None, "infeasible" if status == pywraplp.Solver.INFEASIBLE else "unknown", -math.inf
-    choice = {i: max(d, key=lambda k: d[k].solution_value()) for i, d in m.x.items()}
-    bound = s.Objective().BestBound() / (m.scale if m.integer else 1.0) + p.time_offset
-    return choice, "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible", bound
+# The ILP itself (variables, constraint families, backends) lives in `autopar.ilp`.
+_MIP_BACKEND = "cpsat"     # the ILP used by "auto" (see BENCHMARK in autopar.ilp)
 
 
 def _mip(p: Problem, backend: str, deadline: float, hint: dict[int, int] | None,
@@ -212,7 +67,7 @@ def _mip(p: Problem, backend: str, deadline: float, hint: dict[int, int] | None,
     stats["ilp_variables"] = m.solver.NumVariables()
     qhint = {i: hint[i] for i in q.time} if hint is not None else None
     seconds = deadline - _time.monotonic()
-    choice, status, bound = _run_model(m, q, backend, seconds, qhint, deterministic, gap)
+    choice, status, bound = run_model(m, q, backend, seconds, qhint, deterministic, gap)
     return (restore(records, choice) if choice is not None else None), status, bound
 
 
@@ -227,17 +82,23 @@ def _unconstrained_mip(p: Problem, deadline: float, stats: dict, gap: float) -> 
     return choice, min(bound, q.evaluate(choice)[0])
 
 
-def _least_memory(p: Problem) -> tuple[dict[int, int], float]:
-    """Exact minimum of memory_offset + Σ memory over assignments that avoid every inf."""
+def _least_memory(p: Problem, order: list[int] | None = None) -> tuple[dict[int, int], float]:
+    """Exact minimum of memory_offset + Σ memory over assignments that avoid every inf.
+    `order`: `problem_order(p)` if known (the problem solved here has p's shape)."""
     r = Problem(p.names, {i: np.where(np.isfinite(t), p.memory[i], np.inf) for i, t in p.time.items()},
                 {i: np.zeros_like(t) for i, t in p.time.items()},
                 {k: np.where(np.isfinite(e), 0.0, np.inf) for k, e in p.edges.items()},
                 p.adj, None, p.memory_offset, 0.0)
-    out = solve_unconstrained(r)
+    out = solve_unconstrained(r, order=order if order is not None else problem_order(r))
     if out is None:
         choice, status, _ = _mip(r, "highs", math.inf, None, True, {}, 1e-9)
         out = (choice, r.evaluate(choice)[0]) if choice is not None else ({}, math.inf)
     return out
+
+
+def _memory_floor(p: Problem) -> float:
+    """memory_offset + Σ_i min over i's allowed strategies: no plan uses less (edges ignored)."""
+    return p.memory_offset + sum(float(m[np.isfinite(p.time[i])].min(initial=math.inf)) for i, m in p.memory.items())
 
 
 def _raise_infeasible(p: Problem, least: float) -> None:
@@ -262,10 +123,15 @@ def _search(p: Problem, backend: str, deadline: float, hint: dict[int, int] | No
             deterministic: bool, stats: dict, gap: float) -> tuple[dict[int, int], str, float, str]:
     """The solve strategy of the module docstring; returns (assignment, status, bound, backend)."""
     bound, candidates, out, exact = -math.inf, [hint] if _fits(p, hint) else [], None, "dp"
+    order = problem_order(p)  # None: the DP's tables would be too large (found before any work)
     if backend in ("auto", "dp"):
-        out = solve_unconstrained(p)
-        if out is None and backend == "dp":
+        if order is None and backend == "dp":
             raise SolverError("backend 'dp': the elimination tables are too large for this graph")
+        if p.budget is not None and _memory_floor(p) > p.budget:  # nothing fits: skip the time optimum
+            least = _least_memory(p, order)[1]
+            if not math.isfinite(least) or least > p.budget:
+                _raise_infeasible(p, least)
+        out = solve_unconstrained(p, order=order) if order is not None else None
         if out is None:  # treewidth too high for the DP (2-D meshes): the same relaxation by ILP
             out, exact = _unconstrained_mip(p, deadline, stats, gap), "highs"
         if out is not None:
@@ -274,12 +140,12 @@ def _search(p: Problem, backend: str, deadline: float, hint: dict[int, int] | No
             if not math.isfinite(out[1]):
                 _raise_infeasible(p, math.inf)
             bound = out[1]
-    least_choice, least = _least_memory(p)
+    least_choice, least = _least_memory(p, order)
     if not math.isfinite(least) or (p.budget is not None and least > p.budget):
         _raise_infeasible(p, least)
     candidates.append(least_choice)
     if backend in ("auto", "dp") and out is not None:
-        lr = lagrangian(p, p.budget, out[0], deadline=deadline, tol=gap)
+        lr = lagrangian(p, p.budget, out[0], deadline=deadline, tol=gap, order=order)
         if lr is not None and lr.choice is not None:
             candidates.append(lr.choice)
             bound = max(bound, lr.lower_bound)
@@ -326,13 +192,15 @@ def restrict(cg: CostGraph, allowed: dict[int, list[int]]) -> tuple[CostGraph, l
 def solve(cg: CostGraph, *, time_limit: float | None = None, backend: str = "auto",
           hint: np.ndarray | None = None, deterministic: bool = True,
           fixed: dict[int, list[int]] | None = None, dedup_layers: bool = False,
-          mip_gap: float = 1e-4) -> Solution:
+          mip_gap: float = 1e-4, cache: dict | None = None) -> Solution:
     """Pick one strategy per node minimising total seconds under the memory budget.
 
     `fixed` maps a node to the strategy indices it may use; `dedup_layers` solves one layer per
     class of `cg.layer_groups` and tiles it (see `quotient_layers`; the bound is then over tiled
     plans). "optimal" means proven within the relative `mip_gap`; `lower_bound` holds the proven
     bound. Raises InfeasiblePlanError (with the minimum memory) when no plan fits.
+    `cache`: a dict kept by a caller that solves the same `cg` several times (other `fixed`, hint or
+    memory budget, but the same nodes, edges and layers): work that depends on those only is reused.
     """
     if backend not in BACKENDS:
         raise InputError(f"unknown solver backend {backend!r}; choose one of {sorted(BACKENDS)}")
@@ -340,7 +208,7 @@ def solve(cg: CostGraph, *, time_limit: float | None = None, backend: str = "aut
     deadline = start + time_limit if time_limit is not None else math.inf
     if dedup_layers and cg.layer_groups:
         return _solve_tiled(cg, time_limit=time_limit, backend=backend, hint=hint,
-                            deterministic=deterministic, fixed=fixed, mip_gap=mip_gap)
+                            deterministic=deterministic, fixed=fixed, mip_gap=mip_gap, cache=cache)
     if hint is not None and len(hint) != len(cg.nodes):
         raise InputError(f"hint has {len(hint)} entries for {len(cg.nodes)} nodes")
     full = from_costgraph(cg, fixed)
@@ -369,16 +237,39 @@ def _compact_hint(hint: np.ndarray | None, keep: dict[int, np.ndarray]) -> dict[
     return {i: int(w[0]) for i, w in pos.items()} if all(len(w) for w in pos.values()) else None
 
 
+def _quotient(cg: CostGraph, cache: dict | None) -> tuple[CostGraph, np.ndarray, np.ndarray]:
+    """`quotient_layers(cg)` (computed once per cache), with cg's current budget and offset; and
+    the first member of each quotient node."""
+    if cache is None or "quotient" not in cache:
+        q, rep = quotient_layers(cg)
+        found = (q, rep, np.unique(rep, return_index=True)[1])
+        if cache is None:
+            return found
+        cache["quotient"] = found
+    q, rep, first = cache["quotient"]
+    return CostGraph(q.nodes, q.edges, cg.memory_budget, cg.memory_offset), rep, first
+
+
+def _quotient_fixed(fixed: dict[int, list[int]] | None, rep: np.ndarray) -> dict[int, list[int]]:
+    """The strategies each quotient node may use: those every member of it may use."""
+    qfixed: dict[int, list[int]] = {}
+    seen: dict[tuple[int, int], None] = {}  # (quotient node, id of list): intersected already
+    for i, allowed in (fixed or {}).items():
+        r = int(rep[i])
+        if (r, id(allowed)) in seen:  # identical layers often share one list: intersecting again is a no-op
+            continue
+        seen[r, id(allowed)] = None
+        prev = set(qfixed.get(r, allowed))
+        qfixed[r] = sorted(prev & set(allowed))
+    return qfixed
+
+
 def _solve_tiled(cg: CostGraph, *, hint: np.ndarray | None, fixed: dict[int, list[int]] | None,
-                 **kw) -> Solution:
+                 cache: dict | None = None, **kw) -> Solution:
     """Solve the layer quotient, tile its plan; fall back to the full graph if no tiled plan fits."""
     start = _time.monotonic()
-    q, rep = quotient_layers(cg)
-    first = np.unique(rep, return_index=True)[1]
-    qfixed: dict[int, list[int]] = {}
-    for i, allowed in (fixed or {}).items():
-        prev = set(qfixed.get(int(rep[i]), allowed))
-        qfixed[int(rep[i])] = sorted(prev & set(allowed))
+    q, rep, first = _quotient(cg, cache)
+    qfixed = _quotient_fixed(fixed, rep)
     try:
         sq = solve(q, hint=None if hint is None else np.asarray(hint)[first], fixed=qfixed, **kw)
     except InfeasiblePlanError:

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import UnsupportedOpWarning
-from autopar.placement import R, Shard, divides, is_partial, spec_str
+from autopar.placement import R, divides, is_partial, kind, spec_str
 from autopar.rules import AxisStrategy, OpCall, find_rule
 
 
@@ -47,10 +47,14 @@ class StrategyEnumerator:
         self._cache: dict[str, list[NodeStrategy]] = {}
         self.unsupported: dict[str, int] = {}
         self.cache_hits = 0
+        # node -> its op signature (target, argument shapes/dtypes/values, outputs): two nodes with the
+        # same signature compute the same thing, so costs may be memoized on it too
+        self.signature: dict[fx.Node, str] = {}
 
     def __call__(self, node: fx.Node) -> list[NodeStrategy]:
         call = OpCall(node, val_of)
         key = repr((node.target, call.args, call.kwargs, call.outs, self.axis_sizes))
+        self.signature[node] = key
         if key in self._cache:
             self.cache_hits += 1
             return self._cache[key]
@@ -133,25 +137,42 @@ def prune_partials(nodes: list[fx.Node], strategies: list[list[NodeStrategy]]) -
     Replicate on axis a, at every node of such a chain at once, keeps the compute and memory (P and R
     both hold the whole tensor, neither splits work) and never raises a reshard cost (R -> x is free,
     P -> x is not), so an optimal plan survives. `nodes` must be in graph (topological) order.
+
+    The answer depends only on the strategy list and on what each input's producer can emit, so it is
+    computed once per (list, emitted kinds): identical layers share both, and share the result list.
     """
-    kinds: dict[fx.Node, list[set]] = {}  # node -> per output: {(axis, partial)} it can emit
+    kinds: dict[fx.Node, tuple[frozenset, ...]] = {}  # node -> per output: {(axis, reduce_op)} it can emit
+    memo: dict[tuple, tuple[list, tuple, list]] = {}
     out = []
     for node, strats in zip(nodes, strategies):
-        ins = [_producer(a) for a in node.all_input_nodes]
-        keep = [s for s in strats if _genuine(s, ins, kinds)] or strats[:1]
-        kinds[node] = [{(a, p) for s in keep if s.outs[i] is not None for a, p in enumerate(s.outs[i])
-                        if is_partial(p)} for i in range(max((len(s.outs) for s in keep), default=0))]
-        out.append(keep if len(keep) < len(strats) else strats)
+        emitted = tuple(_emitted(kinds, *_producer(a)) for a in node.all_input_nodes)
+        key = (id(strats), emitted)
+        if key not in memo:
+            keep = [s for s in strats if _genuine(s, emitted)] or strats[:1]
+            # holding `strats` keeps its id unique while the memo lives
+            memo[key] = (keep if len(keep) < len(strats) else strats, _partial_kinds(keep), strats)
+        kept, kinds[node], _ = memo[key]
+        out.append(kept)
     return out
 
 
-def _genuine(s: NodeStrategy, ins: list[tuple[fx.Node, int]], kinds: dict) -> bool:
-    axes = {a for spec in (*s.outs, *s.ins) if spec is not None for a, p in enumerate(spec) if is_partial(p)}
+def _emitted(kinds: dict, producer: fx.Node, out: int) -> frozenset:
+    per_output = kinds.get(producer, ())
+    return per_output[out] if out < len(per_output) else frozenset()
+
+
+def _partial_kinds(keep: list[NodeStrategy]) -> tuple[frozenset, ...]:
+    """Per output: the (axis, reduce_op) pairs some kept strategy emits as a Partial."""
+    num_outs = max((len(s.outs) for s in keep), default=0)
+    return tuple(frozenset((a, p.reduce_op) for s in keep if s.outs[i] is not None
+                           for a, p in enumerate(s.outs[i]) if kind(p) == "P") for i in range(num_outs))
+
+
+def _genuine(s: NodeStrategy, emitted: tuple[frozenset, ...]) -> bool:
+    axes = {a for spec in (*s.outs, *s.ins) if spec is not None for a, p in enumerate(spec) if kind(p) == "P"}
     for a in axes:
-        if any(isinstance(spec[a], Shard) for spec in s.ins):
+        if any(kind(spec[a]) == "S" for spec in s.ins):
             continue  # split work (a contraction, a reduction, an accumulate into a Partial buffer)
-        partial_in = [(j, spec[a]) for j, spec in enumerate(s.ins) if is_partial(spec[a])]
-        emits = [kinds.get(ins[j][0], []) for j, _ in partial_in]
-        if not any(ins[j][1] < len(e) and (a, p) in e[ins[j][1]] for (j, p), e in zip(partial_in, emits)):
+        if not any((a, spec[a].reduce_op) in emitted[j] for j, spec in enumerate(s.ins) if kind(spec[a]) == "P"):
             return False
     return True

@@ -66,3 +66,59 @@ def test_impossible_budget_names_the_smallest_memory():
     assert f"{least / 1e9:.3f} GB" in str(info.value)
     p = _plan(case, mesh, memory_budget=int(least * 1.001) + 1)  # that much is enough
     assert p.memory_per_device <= least * 1.001 + 1
+
+
+@pytest.fixture(scope="module")
+def tiny_problem():
+    from autopar.canonicalize import canonicalize
+    from autopar.capture import capture
+    from autopar.costing import ProblemBuilder
+    case = models.tiny_gpt(n_layer=3, batch=4, seq=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        captured = capture(case.model, case.example_inputs)
+    canonicalize(captured.gm)
+    mesh = autopar.Mesh((2, 2), axis_names=("a", "b"), hardware="a100", devices_per_node=2)
+    builder = ProblemBuilder(captured, mesh)
+    return captured, mesh, builder, builder.build()
+
+
+def test_memoized_costs_equal_costs_priced_alone(tiny_problem):
+    """Identical layers share (strategy list, op signature), so ProblemBuilder prices each pair once;
+    every node's and edge's costs must equal pricing that node or edge on its own."""
+    import numpy as np
+
+    from autopar.costing import ProblemBuilder, _node_compute, saved_values
+    captured, mesh, builder, prob = tiny_problem
+    assert prob.cg.layer_groups and len(builder._memo) < len(prob.nodes) + len(prob.edges)  # it did share
+    fresh = ProblemBuilder(captured, mesh)
+    saved: dict = {}
+    for base, i in saved_values(captured.gm):
+        saved.setdefault(base, []).append(i)
+    for i, node in enumerate(prob.nodes):
+        strats = prob.strategies[i]
+        if node.op != "placeholder":
+            assert np.array_equal(prob.compute[i], _node_compute(node, strats, mesh.hardware, tuple(mesh.shape)))
+        if node in saved:
+            alone = fresh._saved_bytes(node.meta["val"], strats, saved[node])
+            assert np.array_equal(prob.memory[i]["activations"], alone), node.name
+    for e, ce in zip(prob.edges, prob.cg.edges):
+        assert np.array_equal(ce.time, fresh._edge_matrix(prob.strategies[e.src], prob.strategies[e.dst], e))
+
+
+def test_shared_pruning_and_propagation_equal_per_node_results(tiny_problem):
+    """prune_partials and recipes.batch_propagation memoize on list identity / op signature: giving
+    every node its own list (no sharing possible) must give the same strategies and placements."""
+    from autopar import recipes
+    from autopar.strategies import prune_partials
+    captured, mesh, builder, prob = tiny_problem
+    full = [builder._strategies(n) for n in prob.nodes]
+    shared = prune_partials(prob.nodes, full)
+    alone = prune_partials(prob.nodes, [list(s) for s in full])
+    assert [[str(s) for s in lst] for lst in shared] == [[str(s) for s in lst] for lst in alone]
+    with_sigs = recipes.batch_propagation(captured.gm, 2, prob.signatures)
+    enum = recipes.StrategyEnumerator((2,))
+    for node, place in with_sigs.items():
+        if node.op == "call_function" and node in prob.signatures:
+            have = [with_sigs.get(a, recipes.R) for a in node.all_input_nodes]
+            assert place == recipes._best(enum, node, have), node.name

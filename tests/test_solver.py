@@ -226,3 +226,40 @@ def test_compact_drops_dominated_strategies_exactly(quantile):
         if ref is None:
             continue
         assert solve(worse).time == pytest.approx(ref.time, abs=1e-9)
+
+
+def _same(a, b) -> bool:
+    return a.choice.tobytes() == b.choice.tobytes() and (a.time, a.memory, a.lower_bound, a.status, a.backend,
+                                                          a.stats) == (b.time, b.memory, b.lower_bound, b.status,
+                                                                       b.backend, b.stats)
+
+
+@pytest.mark.parametrize("budget", [None, 2.2 * GB, 0.5 * GB])
+def test_cache_does_not_change_results(budget):
+    """The solves of one plan share a cache (the layer quotient): each result equals a fresh solve."""
+    cg = layered_graph(6, seed=4, budget=budget)
+    cache: dict = {}
+    for fixed in (None, {1: [0], 6: [0, 1]}, {2: [1, 2]}, None):
+        try:
+            ref = solve(cg, dedup_layers=True, fixed=fixed)
+        except InfeasiblePlanError as e:
+            with pytest.raises(InfeasiblePlanError) as info:
+                solve(cg, dedup_layers=True, fixed=fixed, cache=cache)
+            assert info.value.min_memory_per_device == e.min_memory_per_device
+            continue
+        assert _same(solve(cg, dedup_layers=True, fixed=fixed, cache=cache), ref)
+    assert "quotient" in cache
+
+
+def test_elimination_order_is_shared_and_refuses_large_tables():
+    """One order (graph shape only) serves any costs on that graph; too large a table gives None first."""
+    from autopar.dp_oracle import elimination_order, problem_order
+    for seed in range(6):
+        p = from_costgraph(random_graph(seed))
+        order = problem_order(p)
+        for scale in (1.0, 3.0):
+            unary = {i: t * scale for i, t in p.time.items()}
+            assert variable_elimination(unary, p.edges, order=order) == variable_elimination(unary, p.edges)
+    p = from_costgraph(random_graph(1))
+    assert elimination_order({i: len(t) for i, t in p.time.items()}, p.edges, max_table=1) is None
+    assert variable_elimination(p.time, p.edges, max_table=1) is None

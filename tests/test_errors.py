@@ -1,0 +1,106 @@
+"""The error catalogue: each user mistake gets autopar's own exception, a message that says what is
+wrong and what to do, and no internal traceback. (Cases tested elsewhere are listed in README's
+"Guarantees".)"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autopar
+from autopar.errors import HardwareError, InfeasiblePlanError, InputError, NoLossError, TraceError
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    from examples.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    return model, torch.randint(0, 64, (4, 16))
+
+
+MESH = autopar.Mesh((2,))
+
+
+def _plan(model, inputs, **kw):
+    return autopar.plan(model, inputs, mesh=kw.pop("mesh", MESH), baselines=False, **kw)
+
+
+CASES = {
+    "inputs not a tuple": (lambda m, ids: _plan(m, [ids, ids]), InputError, r"must be a tuple.*wrap"),
+    "input of the wrong dtype": (lambda m, ids: _plan(m, (ids.float(), ids)), TraceError,
+                                 r"examples/gpt\.py:\d+.*wte\(idx\).*scalar types"),
+    "input of the wrong rank": (lambda m, ids: _plan(m, (ids[0], ids[0])), TraceError,
+                                r"examples/gpt\.py:\d+: `T = idx\.shape\[1\]`"),
+    "unknown axis in a strategy dict": (lambda m, ids: _plan(m, (ids, ids), strategy={"tensor": "tp"}), InputError,
+                                        r"mesh axis 'tensor'.*axes are \('axis0',\)"),
+    "unknown strategy": (lambda m, ids: _plan(m, (ids, ids), strategy="fsdp"), InputError,
+                         r"unknown strategy 'fsdp'; choose one of auto, dp"),
+    "batch not divisible by dp": (lambda m, ids: _plan(m, (ids[:3], ids[:3]), strategy="zero3"), InputError,
+                                  r"batch \(3\) does not divide over the 2 data-parallel ranks.*multiple of 2"),
+    "budget no plan meets": (lambda m, ids: _plan(m, (ids, ids), memory_budget="10kB"), InfeasiblePlanError,
+                             r"no plan fits the memory budget .*the smallest plan needs"),
+    "unknown hardware preset": (lambda m, ids: autopar.Mesh((2,), hardware="tpu9"), HardwareError,
+                                r"unknown hardware 'tpu9': use a preset name \(cpu, a100, h100, h200\)"),
+    "unsupported option": (lambda m, ids: _plan(m, (ids, ids), num_stages=2), InputError,
+                           r"unsupported option num_stages=2"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_user_mistakes_raise_autopar_errors_with_advice(case, gpt):
+    fn, error, message = CASES[case]
+    with pytest.raises(error, match=message) as info:
+        fn(*gpt)
+    assert isinstance(info.value, autopar.errors.AutoparError)
+    assert info.value.__suppress_context__ or info.value.__cause__ is None or case.startswith("input")
+
+
+class _NoLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)  # a (4, 4) output, not a loss
+
+
+def test_model_without_loss_says_how_to_pass_one():
+    with pytest.raises(NoLossError, match=r"\(4, 4\).*not a scalar floating loss.*loss_fn="):
+        _plan(_NoLoss(), (torch.randn(4, 4),))
+    plan = _plan(_NoLoss(), (torch.randn(4, 4),), loss_fn=lambda out, x: out.square().mean())
+    assert plan.feasible
+
+
+class _MutatesInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.lin(x).sum()
+
+
+def test_model_mutating_its_input_is_refused_with_the_line():
+    with pytest.raises(InputError, match=r"modifies its input 'x' in place .*test_errors\.py\", line \d+.*"
+                                         r"`x\.mul_\(2\)`.*work on a copy"):
+        _plan(_MutatesInput(), (torch.randn(4, 4),))
+
+
+class _IntParam(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.steps = nn.Parameter(torch.zeros((), dtype=torch.long), requires_grad=False)
+
+    def forward(self, x):
+        return self.lin(x).sum() + self.steps
+
+
+def test_non_floating_parameter_is_kept_without_gradient_or_optimizer_state():
+    from autopar.capture import capture
+    c = capture(_IntParam(), (torch.randn(4, 4),))
+    assert "steps" in c.param_names and "steps" not in c.grad_param_names
+    plan = _plan(_IntParam(), (torch.randn(4, 4),))
+    assert plan.feasible and "steps" in plan.params
