@@ -122,7 +122,7 @@ def build_model(p: Problem, backend: str) -> _Model:
         raise SolverError(f"backend {backend!r} is not available in this OR-tools build")
     solver.SuppressOutput()  # HiGHS otherwise prints its banner to stdout, into the user's output
     if backend == "highs":
-        solver.SetSolverSpecificParametersAsString("output_flag=false\n")
+        solver.SetSolverSpecificParametersAsString("output_flag=false\nmip_heuristic_run_feasibility_jump=false\n")
     m = _Model(solver, integer=backend.startswith("cpsat"))
     finite = [np.abs(c[np.isfinite(c)]).max(initial=0.0) for c in (*p.time.values(), *p.edges.values())]
     m.scale = 2.0 ** 30 / max(max(finite, default=0.0), 1e-30)

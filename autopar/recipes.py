@@ -116,8 +116,10 @@ def restriction(gm: fx.GraphModule, recipes: tuple[str, ...], axis_sizes: tuple[
     batch = {axis: propagated[axis_sizes[axis]] for axis, r in enumerate(recipes) if r != "auto"}
 
     def ok(node: fx.Node, strat, axis: int, recipe: str) -> bool:
-        want = batch[axis][node] if not is_getitem(node) else None
         outs = strat.outs
+        if not is_getitem(node) and node not in batch[axis]:  # a graph constant: whole on every rank
+            return all(o is None or o[axis] == R for o in outs)
+        want = batch[axis][node] if not is_getitem(node) else None
         if isinstance(strat, ParamStrategy):
             mode = strat.modes[axis]
             if recipe == "tp":  # Megatron: weight matrices are split; vectors may stay whole
