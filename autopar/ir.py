@@ -11,8 +11,9 @@
                   + no redistribute node survives; every functional collective names the process
                   group of a real mesh axis and is followed by its wait_tensor.
     bucket_collectives
-                  + gradient collectives may be fused (fused_all_reduce / fused_reduce_scatter nodes
-                  listing the logical collectives they carry in meta["autopar_fused"]).
+                  + gradient collectives and ZeRO-1/2 parameter gathers may be fused (fused_all_reduce
+                  / fused_reduce_scatter / fused_all_gather nodes listing the logical collectives they
+                  carry in meta["autopar_fused"]).
     localize_shapes
                   + the program runs on LOCAL shapes: propagating fake tensors of each input's
                   local shape (parameters: the plan's master shard) gives every planned op the

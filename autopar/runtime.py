@@ -111,8 +111,29 @@ class _JointStep(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, g):
-        grads = [None if gr is None else gr * g for gr in fctx.grads]
+        if _is_one(g):  # loss.backward() seeds 1: skip a pass over every gradient
+            grads = _distinct(fctx.grads)
+        else:
+            grads = [None if gr is None else gr * g for gr in fctx.grads]
         return (None, None, *grads, *([None] * fctx.num_rest))
+
+
+def _distinct(grads: list) -> list:
+    """Never hand autograd one tensor for two parameters: it may accumulate into p.grad in place."""
+    seen: set[int] = set()
+    out = []
+    for gr in grads:
+        if gr is not None and id(gr) in seen:
+            gr = gr.clone()
+        elif gr is not None:
+            seen.add(id(gr))
+        out.append(gr)
+    return out
+
+
+def _is_one(g: torch.Tensor) -> bool:
+    """True for the seed of a plain `loss.backward()`; checked only on the CPU (no device sync)."""
+    return g.device.type == "cpu" and not g.requires_grad and g.numel() == 1 and g.item() == 1.0
 
 
 class ParallelModule(nn.Module):

@@ -6,7 +6,9 @@
 One step = zero_grad + forward + backward + AdamW step. Every variant is built once, then the
 variants take turns (`--rounds` rounds of `--steps` timed steps each, after `--warmup` untimed
 steps) so that load from other processes on a shared machine hits them all alike. A step's time is
-the slowest rank's (all_reduce MAX), and the table shows the median over all timed steps.
+the slowest rank's (all_reduce MAX), and the table shows the median over all timed steps, of wall
+time and of CPU time (process time: on an oversubscribed machine wall time mostly measures the other
+jobs, CPU time only this step's own work; a rank waiting in a collective sleeps).
 
 Variants (same seeded GPT, same global batch):
   autopar dp / zero3 / tp / auto   `autoparallelize(model, (x, y), strategy=...)`; every rank passes
@@ -94,14 +96,24 @@ def build_native(kind: str, model: GPT, world: int):
     return model, False
 
 
+def _param_groups(module: nn.Module) -> list[dict]:
+    """DTensor and plain parameters in separate groups: one foreach call cannot mix them (native TP
+    leaves the embeddings and norms outside the blocks as plain tensors)."""
+    from torch.distributed.tensor import DTensor
+    params = list(module.parameters())
+    groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    return [{"params": g} for g in groups if g]
+
+
 class Variant:
     """One way of training the model: a step function over the global batch, and its timings."""
 
-    def __init__(self, name: str, kind: str, module: nn.Module, step_fn, lr: float = 1e-3):
+    def __init__(self, name: str, kind: str, module: nn.Module, step_fn, lr: float = 1e-3, foreach=None):
         self.name, self.kind, self.module = name, kind, module
-        self.opt = torch.optim.AdamW(module.parameters(), lr=lr)
+        self.opt = torch.optim.AdamW(_param_groups(module), lr=lr, foreach=foreach)
         self._step_fn = step_fn
         self.times: list[float] = []
+        self.cpu_times: list[float] = []   # CPU seconds the step used (slowest rank): robust to load
         self.opt_times: list[float] = []   # this rank's optimizer step alone
         self.losses: list[float] = []
 
@@ -114,12 +126,13 @@ class Variant:
         return loss
 
 
-def make_variants(model: GPT, example, world: int, rank: int, which: list[str]) -> list[Variant]:
+def make_variants(model: GPT, example, world: int, rank: int, which: list[str], foreach=None) -> list[Variant]:
     out = []
     for strategy in [s for s in AUTOPAR if s in which]:
         t0 = time.perf_counter()
         pmodel = autoparallelize(copy.deepcopy(model), example, strategy=strategy)
-        v = Variant(f"autopar {strategy}", strategy, pmodel, lambda x, y, m=pmodel: m.train_step(x, y).item())
+        v = Variant(f"autopar {strategy}", strategy, pmodel, lambda x, y, m=pmodel: m.train_step(x, y).item(),
+                    foreach=foreach)
         v.setup_s = time.perf_counter() - t0
         v.predicted = pmodel.plan.predicted_step_time
         out.append(v)
@@ -135,7 +148,7 @@ def make_variants(model: GPT, example, world: int, rank: int, which: list[str]) 
             loss = m(x, y)
             loss.backward()
             return loss.item()
-        v = Variant(kind, strategy, module, fn)
+        v = Variant(kind, strategy, module, fn, foreach=foreach)
         v.setup_s, v.predicted = time.perf_counter() - t0, None
         out.append(v)
     return out
@@ -157,13 +170,17 @@ def warm_up(v: Variant, batches, steps: int, rank: int) -> bool:
     return not failed.item()
 
 
-def timed_step(v: Variant, x, y) -> float:
+def timed_step(v: Variant, x, y) -> None:
+    """Wall time barrier to barrier and this process's CPU time (all threads), each the slowest rank's.
+    On a shared, oversubscribed machine the wall time mostly measures the other jobs; CPU time
+    counts only the work this step did (waits in collectives sleep and are not counted)."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     v.losses.append(v.step(x, y))
-    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dt = torch.tensor([time.perf_counter() - t0, time.process_time() - c0], dtype=torch.float64)
     dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return dt.item()
+    v.times.append(dt[0].item())
+    v.cpu_times.append(dt[1].item())
 
 
 def profile_step(v: Variant, x, y, rank: int, top: int = 22) -> str:
@@ -177,22 +194,26 @@ def profile_step(v: Variant, x, y, rank: int, top: int = 22) -> str:
     return table if rank == 0 else ""
 
 
+def _ratio(v: Variant, med: dict, natives: list[Variant]) -> str:
+    if v.name.startswith("autopar") and v.kind in NATIVE and NATIVE[v.kind] in med:
+        return f"{med[v.name] / med[NATIVE[v.kind]]:.2f}x {NATIVE[v.kind]}"
+    if v.kind == "auto" and natives:
+        best = min(natives, key=lambda n: med[n.name])
+        return f"{med[v.name] / med[best.name]:.2f}x {best.name}"
+    return ""
+
+
 def report(variants: list[Variant]) -> str:
     med = {v.name: statistics.median(v.times) for v in variants}
+    cpu = {v.name: statistics.median(v.cpu_times) for v in variants}
     natives = [v for v in variants if not v.name.startswith("autopar")]
-    lines = [f"{'variant':<16}{'median s/step':>14}{'min':>9}{'optim':>8}{'predicted':>11}{'setup s':>9}   ratio",
-             "-" * 82]
+    lines = [f"{'variant':<15}{'median s':>9}{'min':>8}{'cpu s':>8}{'optim':>8}{'predicted':>10}{'setup':>7}"
+             f"   {'ratio (wall)':<18}ratio (cpu)", "-" * 96]
     for v in variants:
-        ratio = ""
-        if v.name.startswith("autopar") and v.kind in NATIVE and NATIVE[v.kind] in med:
-            ratio = f"{med[v.name] / med[NATIVE[v.kind]]:.2f}x {NATIVE[v.kind]}"
-        elif v.kind == "auto" and natives:
-            best = min(natives, key=lambda n: med[n.name])
-            ratio = f"{med[v.name] / med[best.name]:.2f}x best native ({best.name})"
         pred = f"{v.predicted:.4f}" if v.predicted is not None else "-"
         opt = statistics.median(v.opt_times)
-        lines.append(f"{v.name:<16}{med[v.name]:>14.4f}{min(v.times):>9.4f}{opt:>8.4f}{pred:>11}{v.setup_s:>9.1f}"
-                     f"   {ratio}")
+        lines.append(f"{v.name:<15}{med[v.name]:>9.4f}{min(v.times):>8.4f}{cpu[v.name]:>8.4f}{opt:>8.4f}{pred:>10}"
+                     f"{v.setup_s:>7.1f}   {_ratio(v, med, natives):<18}{_ratio(v, cpu, natives)}")
     return "\n".join(lines)
 
 
@@ -209,6 +230,10 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--only", default=",".join(AUTOPAR + tuple(NATIVE.values())),
                    help="comma list of variants: dp,zero3,tp,auto,DDP,FSDP2,TP")
+    p.add_argument("--foreach", choices=("default", "on"), default="default",
+                   help="AdamW(foreach=...) for every variant: torch's default on CPU is the per-parameter "
+                        "loop, where each op on a DTensor parameter (autopar, FSDP2, TP) pays DTensor dispatch; "
+                        "'on' is what torchtitan uses")
     p.add_argument("--profile", default=None, help="profile one step of these variants, e.g. dp,DDP")
     args = p.parse_args(argv)
 
@@ -221,19 +246,23 @@ def main(argv=None) -> None:
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, args.vocab, (args.batch, args.block), generator=gen),
                 torch.randint(0, args.vocab, (args.batch, args.block), generator=gen)) for _ in range(4)]
-    variants = make_variants(model, batches[0], world, rank, args.only.split(","))
+    variants = make_variants(model, batches[0], world, rank, args.only.split(","),
+                             foreach=True if args.foreach == "on" else None)
     if rank == 0:
         print(f"world {world}, threads/rank {torch.get_num_threads()}, GPT {args.layers}L {args.embd}d "
               f"{args.heads}h vocab {args.vocab}, batch {args.batch}x{args.block}, "
-              f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params", flush=True)
+              f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, AdamW foreach {args.foreach}",
+              flush=True)
     variants = [v for v in variants if warm_up(v, batches, args.warmup, rank)]
     for _ in range(args.rounds):
         for v in variants:
-            v.times += [timed_step(v, *batches[i % len(batches)]) for i in range(args.steps)]
+            for i in range(args.steps):
+                timed_step(v, *batches[i % len(batches)])
     if rank == 0:
         print(report(variants))
-        print("median s/step: slowest rank, barrier to barrier; optim: rank 0's AdamW step alone; predicted: "
-              "the plan's cost-model estimate")
+        print("median s: slowest rank, barrier to barrier; cpu s: median CPU time of the slowest rank (what "
+              "to compare on a loaded machine); optim: rank 0's AdamW step alone; predicted: the plan's "
+              "cost-model estimate")
         print("first timed loss on rank 0 (same init and batches; DDP/FSDP2: rank 0's half of the batch):",
               {v.name: round(v.losses[0], 4) for v in variants})
     for name in filter(None, (args.profile or "").split(",")):

@@ -24,7 +24,7 @@ PIPELINE = (
     ("apply_plan", apply_plan_pass),                    # plan -> node.meta specs
     ("insert_redistribute", insert_redistribute_pass),  # abstract redistribute at every mismatch
     ("lower_collectives", lower_collectives_pass),      # redistribute -> functional collectives
-    ("bucket_collectives", bucket_collectives_pass),    # gradient collectives -> flat 25 MB buckets
+    ("bucket_collectives", bucket_collectives_pass),    # gradient (and ZeRO-1/2 gather) collectives -> 25 MB buckets
     ("localize_shapes", localize_shapes_pass),          # global size arguments -> local
 )
 

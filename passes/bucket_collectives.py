@@ -1,6 +1,8 @@
 """bucket_collectives: fuse the gradient (and loss) all-reduces / reduce-scatters at the end of the
-step into flat buckets of at most 25 MB per process group, as DDP and FSDP do. The cost model prices
-exactly this (autopar.reshard: gradient collectives pay their share of one bucket's latency).
+step into flat buckets of at most 25 MB per process group, as DDP and FSDP do, and likewise the
+ZeRO-1/2 parameter all-gathers at the start of the step (each sharded master gathered once). The cost
+model prices exactly this (autopar.reshard / costing: both kinds pay their share of one bucket's
+latency); unfused, 50 small gathers cost 50 launches that the plan never priced.
 
 Each fused node keeps the logical collectives it carries in meta["autopar_fused"], so the emitted
 program can still be checked collective by collective against `Plan.collectives`.
@@ -15,24 +17,30 @@ import torch.fx as fx
 from autopar._torch_compat import stable_toposort
 
 from .context import PassContext
-from .ops import fused_all_reduce, fused_reduce_scatter
+from .ops import fused_all_gather, fused_all_reduce, fused_reduce_scatter
 
 c10d = torch.ops._c10d_functional
-FUSIBLE = {c10d.all_reduce.default: "all_reduce", c10d.reduce_scatter_tensor.default: "reduce_scatter"}
+STEP_END = {c10d.all_reduce.default: fused_all_reduce, c10d.reduce_scatter_tensor.default: fused_reduce_scatter}
+STEP_START = {c10d.all_gather_into_tensor.default: fused_all_gather}
+ZERO_GATHER = "parameter gather (ZeRO-1/2)"  # insert_redistribute's reason for a master gathered once
 
 
-def _is_step_end(wait: fx.Node) -> bool:
-    info = wait.meta.get("autopar_collective", {})
-    return info.get("reason", "").startswith("gradient") or info.get("reason") == "loss to every rank"
+def _fusible(wait: fx.Node) -> dict:
+    """The fused form this collective may join: step-end reductions and step-start gathers."""
+    reason = wait.meta.get("autopar_collective", {}).get("reason", "")
+    if reason.startswith("gradient") or reason == "loss to every rank":
+        return STEP_END
+    return STEP_START if reason == ZERO_GATHER else {}
 
 
 def bucket_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Gradient collectives of one kind, op and group become one fused node (bucketed at run time)."""
+    """Gradient collectives (and ZeRO-1/2 gathers) of one kind, op and group become one fused node
+    (bucketed at run time)."""
     groups: dict[tuple, list[fx.Node]] = {}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is c10d.wait_tensor.default and _is_step_end(node):
+        if node.op == "call_function" and node.target is c10d.wait_tensor.default:
             coll = node.args[0]
-            if coll.target in FUSIBLE:
+            if coll.target in _fusible(node):
                 key = (coll.target, *coll.args[1:])  # op (and n) and group name
                 groups.setdefault(key, []).append(node)
     groups = {k: w for k, w in groups.items() if len(w) > 1}
@@ -42,11 +50,12 @@ def bucket_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
         order = {n: i for i, n in enumerate(gm.graph.nodes)}  # a 2-D gradient's second collective
         target, *rest = key                                     # reads the first group's fused output
         inputs = [w.args[0].args[0] for w in waits]
-        fn = fused_all_reduce if target is c10d.all_reduce.default else fused_reduce_scatter
+        fn = {**STEP_END, **STEP_START}[target]
         with gm.graph.inserting_after(max(inputs, key=order.get)):  # users are re-sorted below
             fused = gm.graph.call_function(fn, (inputs, *rest))
             outs = [gm.graph.call_function(operator.getitem, (fused, i)) for i in range(len(waits))]
-        fused.meta.update(autopar_fused=[w.meta["autopar_collective"] for w in waits], phase="backward",
+        phase = waits[0].meta["autopar_collective"]["phase"]
+        fused.meta.update(autopar_fused=[w.meta["autopar_collective"] for w in waits], phase=phase,
                           autopar_pass="bucket_collectives")
         for w, o in zip(waits, outs):
             o.meta.update(w.meta)

@@ -6,7 +6,8 @@ Per axis of size n, with this rank at coordinate c:
     P -> S(d)     reduce_scatter_tensor along d           R -> S(d)  narrow(d, c * size, size)
     S(i) -> S(j)  all_to_all_single                       R -> P     rank 0 keeps x, others zeros (avg: x)
     S -> P, P(a) -> P(b): through Replicate.
-Collectives along a dim d != 0 move d to the front first (the collectives work on dim 0). Every
+Collectives work on dim 0: along a dim d != 0, one permute-copy moves the n pieces between dim 0
+and their place (after a gather, before a reduce-scatter). Inputs are copied only when not dense. Every
 collective's wait node carries meta["autopar_collective"] = (kind, axis, phase, reason).
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from autopar.debug import log
 from autopar.reshard import transitions
 
 from .context import PassContext
-from .ops import redistribute
+from .ops import contiguous, dense_in_order, redistribute
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -49,39 +50,49 @@ class _Emitter:
         log(3, f"{kind} on axis {self.ctx.axis_names[axis]} ({self.info['phase']}): {self.info['reason']}")
         return wait
 
-    def to_front(self, x: fx.Node, d: int, ndim: int) -> fx.Node:
+    def gather(self, x: fx.Node, d: int, shape: tuple, axis: int) -> fx.Node:
+        """all_gather along dim d of x (local shape `shape`): the collective stacks the n pieces on
+        dim 0, so for d > 0 one permute-copy puts them in place (DTensor does the same)."""
+        n, group = self.ctx.axis_sizes[axis], self.ctx.group_names[axis]
+        y = self.collective("all_gather", axis, c10d.all_gather_into_tensor.default, self.call(contiguous, x), n, group)
         if d == 0:
-            return self.call(aten.clone.default, x)  # collectives want their own contiguous buffer
-        perm = [d] + [i for i in range(ndim) if i != d]
-        return self.call(aten.clone.default, self.call(aten.permute.default, x, perm))
+            return y
+        stacked = self.call(aten.view.default, y, [n, *shape])
+        moved = self.call(aten.permute.default, stacked, [*range(1, d + 1), 0, *range(d + 1, len(shape) + 1)])
+        full = [*shape[:d], shape[d] * n, *shape[d + 1:]]
+        return self.call(aten.view.default, self.call_kw(aten.clone.default, (moved,),
+                                                         {"memory_format": torch.contiguous_format}), full)
 
-    def from_front(self, x: fx.Node, d: int, ndim: int) -> fx.Node:
+    def reduce_scatter(self, x: fx.Node, d: int, shape: tuple, axis: int, op: str) -> fx.Node:
+        """reduce_scatter along dim d of x (local shape `shape`, whole along d): for d > 0 one
+        permute-copy brings the n pieces to the front; the result is already dense."""
+        n, group = self.ctx.axis_sizes[axis], self.ctx.group_names[axis]
+        x = self.call(contiguous, x)
+        if d > 0:
+            split = self.call(aten.view.default, x, [*shape[:d], n, shape[d] // n, *shape[d + 1:]])
+            moved = self.call(aten.permute.default, split, [d, *range(d), *range(d + 1, len(shape) + 1)])
+            x = self.call_kw(aten.clone.default, (moved,), {"memory_format": torch.contiguous_format})
+        y = self.collective("reduce_scatter", axis, c10d.reduce_scatter_tensor.default, x, op, n, group)
         if d == 0:
-            return x
-        inv = list(range(1, d + 1)) + [0] + list(range(d + 1, ndim))
-        return self.call(aten.permute.default, x, inv)
+            return y
+        return self.call(aten.view.default, y, [*shape[:d], shape[d] // n, *shape[d + 1:]])
 
 
 def _axis(em: _Emitter, x: fx.Node, src, dst, axis: int, shape: tuple) -> fx.Node:
     """Move x (local shape `shape`) from src to dst on one axis."""
     ctx = em.ctx
     n, c, group = ctx.axis_sizes[axis], ctx.coords[axis], ctx.group_names[axis]
-    nd = len(shape)
     if src == dst or n == 1:
         return x
     if is_partial(src) and (dst == R or is_partial(dst)):
         y = em.collective("all_reduce", axis, c10d.all_reduce.default, x, src.reduce_op, group)
         return y if dst == R else _axis(em, y, R, dst, axis, shape)
     if is_partial(src) and is_shard(dst):
-        front = em.to_front(x, dst.dim, nd)
-        y = em.collective("reduce_scatter", axis, c10d.reduce_scatter_tensor.default, front, src.reduce_op, n, group)
-        return em.from_front(y, dst.dim, nd)
+        return em.reduce_scatter(x, dst.dim, shape, axis, src.reduce_op)
     if is_shard(src) and is_shard(dst):
         return _all_to_all(em, x, src.dim, dst.dim, axis, shape)
     if is_shard(src):  # -> R, or -> P through R
-        front = em.to_front(x, src.dim, nd)
-        y = em.from_front(em.collective("all_gather", axis, c10d.all_gather_into_tensor.default, front, n, group),
-                          src.dim, nd)
+        y = em.gather(x, src.dim, shape, axis)
         if dst == R:
             return y
         full = list(shape)
@@ -107,15 +118,10 @@ def _all_to_all(em: _Emitter, x: fx.Node, i: int, j: int, axis: int, shape: tupl
 
 
 def _restore_layout(em: _Emitter, y: fx.Node, val: torch.Tensor) -> fx.Node:
-    """A dense copy of y whose dims are laid out in memory in the original value's order (e.g. the
-    CPU attention kernel returns B,H,S,D stored as B,S,H,D; later views rely on that)."""
+    """y with its dims laid out in memory in the original value's order (e.g. the CPU attention
+    kernel returns B,H,S,D stored as B,S,H,D; later views rely on that); copies only when needed."""
     order = sorted(range(val.dim()), key=lambda d: (-val.stride(d), d))
-    if order == list(range(val.dim())):
-        return em.call_kw(aten.clone.default, (y,), {"memory_format": torch.contiguous_format})
-    inverse = [order.index(d) for d in range(val.dim())]
-    dense = em.call_kw(aten.clone.default, (em.call(aten.permute.default, y, order),),
-                       {"memory_format": torch.contiguous_format})
-    return em.call(aten.permute.default, dense, inverse)
+    return em.call(dense_in_order, y, order)
 
 
 def _lower_one(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> None:

@@ -17,6 +17,24 @@ def redistribute(x: torch.Tensor, src: str, dst: str) -> torch.Tensor:
 redistribute.__module__ = "autopar.passes.ops"
 
 
+def contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x itself when dense (a collective's input), else a dense copy: no copy for the common case."""
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def dense_in_order(x: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """x with its dims stored outermost-first in `order` (e.g. B,H,S,D stored as B,S,H,D), dense;
+    x itself when it already is, else one copy. Later views in the graph rely on that layout."""
+    moved = x.permute(order)
+    if moved.is_contiguous():
+        return x
+    inverse = [order.index(d) for d in range(x.dim())]
+    return moved.contiguous().permute(inverse)
+
+
+contiguous.__module__ = dense_in_order.__module__ = "autopar.passes.ops"
+
+
 BUCKET_BYTES = 25 * 2**20  # as autopar.reshard.BUCKET_BYTES: the cost model prices this bucketing
 
 
@@ -66,3 +84,20 @@ def fused_reduce_scatter(tensors: list[torch.Tensor], op: str, n: int, group: st
 
 
 fused_all_reduce.__module__ = fused_reduce_scatter.__module__ = "autopar.passes.ops"
+
+
+def fused_all_gather(tensors: list[torch.Tensor], n: int, group: str) -> list[torch.Tensor]:
+    """All-gather many tensors along dim 0 (each (a, ...) -> (n*a, ...)) as few flat buckets."""
+    c10d = torch.ops._c10d_functional
+    out: list = [None] * len(tensors)
+    for bucket in _buckets(tensors):
+        flat = torch.cat([tensors[i].reshape(-1) for i in bucket])
+        rows = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, n, group)).view(n, -1)
+        sizes = [tensors[i].numel() for i in bucket]
+        for i, piece in zip(bucket, rows.split(sizes, dim=1)):
+            shape = (tensors[i].shape[0] * n, *tensors[i].shape[1:])
+            out[i] = piece.reshape(shape)
+    return out
+
+
+fused_all_gather.__module__ = "autopar.passes.ops"

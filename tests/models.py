@@ -139,6 +139,14 @@ def llama3_70b_config(num_layers: int = 80):
                        max_position_embeddings=8192, rope_theta=500000.0)
 
 
+def llama3_405b_config(num_layers: int = 126):
+    """Llama-3.1-405B: hidden 16384, 126 layers, 128 heads, 8 kv heads, MLP 53248, vocab 128256."""
+    from transformers import LlamaConfig
+    return LlamaConfig(hidden_size=16384, num_hidden_layers=num_layers, num_attention_heads=128,
+                       num_key_value_heads=8, intermediate_size=53248, vocab_size=128256,
+                       max_position_embeddings=8192, rope_theta=500000.0)
+
+
 def meta_gpt2_124m(n_layer: int = 12, batch: int = 8, seq: int = 1024) -> Case:
     """GPT-2 124M on the meta device (no weights allocated), inputs on meta too."""
     from transformers import GPT2LMHeadModel
@@ -162,6 +170,10 @@ def meta_llama3_8b(num_layers: int = 32, batch: int = 1, seq: int = 8192) -> Cas
 
 def meta_llama3_70b(num_layers: int = 80, batch: int = 1, seq: int = 8192) -> Case:
     return _meta_llama(llama3_70b_config(num_layers), batch, seq)
+
+
+def meta_llama3_405b(num_layers: int = 126, batch: int = 1, seq: int = 8192) -> Case:
+    return _meta_llama(llama3_405b_config(num_layers), batch, seq)
 
 
 def meta_gpt(n_layer: int = 12, n_embd: int = 768, n_head: int = 12, batch: int = 8,

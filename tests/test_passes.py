@@ -171,6 +171,14 @@ def test_lowering_numerics_1d():
     assert bad == [[], []]
 
 
+def test_lowering_numerics_3d_middle_dims():
+    """Gathers and reduce-scatters along a middle or last dim (one permute-copy each way)."""
+    placements = [R, S(0), S(1), S(2), P]
+    cases = [((a,), (b,)) for a, b in itertools.product(placements, placements) if a != b]
+    bad = run_distributed(_lowering_worker, 2, (2, 6, 4), cases, timeout=300)
+    assert bad == [[], []]
+
+
 def test_lowering_numerics_2d_mesh_nested_shards():
     specs = [(R, R), (S(0), S(0)), (S(0), S(1)), (S(1), S(0)), (S(0), R), (R, S(0)), (P, S(0)), (S(0), P), (P, P)]
     cases = [(a, b) for a, b in itertools.product(specs, specs) if a != b and P not in b[:1] + b[1:]]
@@ -242,6 +250,42 @@ def test_zero3_gathers_stay_next_to_their_use_and_verify_catches_hoisting(gpt_ca
     legalize_graph(gm)  # an unstable topological sort (what the pass used to call) hoists them
     with pytest.raises(IRError, match="in flight"):
         verify(gm, "bucket_collectives", ctx)
+
+
+def test_zero1_parameter_gathers_are_bucketed_like_the_cost_model_prices_them(gpt_case):
+    """ZeRO-1/2 masters are gathered once per step: one fused all-gather (flat buckets) that still
+    lists every logical gather, as autopar.costing prices them (bucketed latency)."""
+    from autopar.passes.ops import fused_all_gather
+    model, inputs = gpt_case
+    plan = autopar.plan(model, inputs, mesh=autopar.Mesh((2,)), strategy="zero1", baselines=False)
+    gm = run_passes(_captured(model, inputs).gm, _ctx(plan, _captured(model, inputs)), verify=True)
+    fused = [n for n in gm.graph.nodes if n.target is fused_all_gather]
+    planned = [r for r in plan.collectives if r.reason == "parameter gather (ZeRO-1/2)"]
+    assert len(fused) == 1 and len(fused[0].meta["autopar_fused"]) == len(planned) > 1
+    assert not any(n.target is torch.ops._c10d_functional.all_gather_into_tensor.default for n in gm.graph.nodes)
+    emitted = Counter((c["kind"], c["phase"]) for c in emitted_collectives(gm))
+    assert emitted == Counter((r.kind, r.phase) for r in plan.collectives)
+
+
+def test_fused_all_gather_matches_one_gather_per_tensor():
+    bad = run_distributed(_fused_gather_worker, 2, timeout=300)
+    assert bad == [[], []]
+
+
+def _fused_gather_worker(rank, world):
+    import torch.distributed as dist
+    from autopar.passes.ops import fused_all_gather
+    group = dist.group.WORLD.group_name
+    tensors = [torch.arange(6.0).reshape(3, 2) + 10 * rank, torch.full((2,), float(rank)),
+               torch.arange(8.0).reshape(1, 2, 4) - rank]
+    got = fused_all_gather(tensors, world, group)
+    bad = []
+    for t, g in zip(tensors, got):
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t.contiguous())
+        if not torch.equal(g, torch.cat(parts)):
+            bad.append(tuple(t.shape))
+    return bad
 
 
 def test_tp_mlp_emits_exactly_the_plans_activation_all_reduces():

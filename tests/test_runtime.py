@@ -93,3 +93,14 @@ def test_meta_model_materialises_only_local_shards():
             assert res["local"][name] == local_shape(spec, tuple(shape), (2,)), name
     sharded = [n for n, (shape, master) in results[0]["params"].items() if master != ("R",)]
     assert sharded, "zero3 shards parameters"
+
+
+def test_backward_hands_each_parameter_its_own_gradient_tensor():
+    """loss.backward() seeds 1, so gradients are passed on unscaled, but never one tensor twice
+    (autograd may accumulate into p.grad in place)."""
+    from autopar.runtime import _distinct, _is_one
+    a, b = torch.ones(3), torch.zeros(2)
+    out = _distinct([a, None, b, a])
+    assert out[0] is a and out[1] is None and out[2] is b and out[3] is not a
+    torch.testing.assert_close(out[3], a)
+    assert _is_one(torch.tensor(1.0)) and not _is_one(torch.tensor(2.0))
