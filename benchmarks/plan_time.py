@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 PHASES = ("capture", "canonicalize", "strategies+costs", "baselines", "solve", "total")
-CASES = ("gpt2-8", "gpt2-64", "llama3-8b-8", "llama3-8b-64", "llama3-70b-64", "llama3-70b-512", "llama3-405b-512")
+CASES = ("gpt2-8", "gpt2-64", "llama3-8b-8", "llama3-8b-64", "llama3-70b-512", "llama3-405b-512")
 
 
 def _mesh(devices: int):
