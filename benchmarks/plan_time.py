@@ -36,7 +36,7 @@ def run_case(name: str) -> dict:
     model_name, devices = name.rsplit("-", 1)
     builders = {"gpt2": models.meta_gpt2_124m, "llama3-8b": models.meta_llama3_8b,
                 "llama3-70b": lambda: models.meta_llama3_70b(batch=64, seq=4096),
-                "llama3-405b": lambda: models.meta_llama3_405b(batch=64, seq=4096)}
+                "llama3-405b": lambda: models.meta_llama3_405b(batch=16, seq=4096)}
     case = builders[model_name]()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from autopar.placement import local_shape
 from autopar.rules.localize import SIZE_ARG, localize_args
 from .context import PassContext
 
@@ -19,6 +20,9 @@ def localize_shapes_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         if node.op != "call_function" or "autopar_outs" not in node.meta or "val" not in node.meta:
             continue
         packet = getattr(node.target, "overloadpacket", None)
+        if packet is torch.ops.aten.convolution_backward:
+            _localize_bias_sizes(node, ctx)
+            continue
         if packet is None or (packet not in SIZE_ARG and packet.__name__ not in ("slice", "slice_copy")):
             continue
         val = node.meta["val"]
@@ -31,3 +35,13 @@ def localize_shapes_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _localize_bias_sizes(node: fx.Node, ctx: PassContext) -> None:
+    """convolution_backward's `bias_sizes` (argument 3) is the bias gradient's shape: make it local."""
+    spec, bias = node.meta["autopar_outs"][2], node.meta["val"][2]
+    if node.args[3] is None or spec is None or bias is None:
+        return
+    args = list(node.args)
+    args[3] = list(local_shape(spec, tuple(bias.shape), ctx.axis_sizes))
+    node.args = tuple(args)

@@ -139,6 +139,7 @@ def _lower_one(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> None:
     if y is not x:  # permutes and slices leave strides the graph's later views never saw
         y = _restore_layout(em, y, node.meta["val"])
     y.meta["autopar_outs"] = (tuple(dst),)
+    y.meta.setdefault("val", node.meta["val"])  # the global value, as users' shape rewrites expect
     node.replace_all_uses_with(y)
     gm.graph.erase_node(node)
 

@@ -104,3 +104,31 @@ def test_non_floating_parameter_is_kept_without_gradient_or_optimizer_state():
     assert "steps" in c.param_names and "steps" not in c.grad_param_names
     plan = _plan(_IntParam(), (torch.randn(4, 4),))
     assert plan.feasible and "steps" in plan.params
+
+
+def _runtime_mistakes(rank, world):
+    """Inside a job: a mesh that does not match the world, and a batch of another shape than planned."""
+    from examples.gpt import GPT, GPTConfig
+    from autopar.errors import MeshError
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    ids = torch.randint(0, 64, (4, 16))
+    out = {}
+    try:
+        autopar.autoparallelize(model, (ids, ids), mesh=autopar.Mesh((2,)), baselines=False)
+    except MeshError as e:
+        out["mesh"] = str(e)
+    pmodel = autopar.autoparallelize(model, (ids, ids), baselines=False)
+    try:
+        pmodel.train_step(ids[:2], ids[:2])
+    except InputError as e:
+        out["shape"] = str(e)
+    return out
+
+
+def test_runtime_mistakes_inside_a_job():
+    from dist_utils import run_distributed
+    out = run_distributed(_runtime_mistakes, 1, timeout=300)[0]
+    assert "the mesh has 2 devices" in out["mesh"] and "this job has 1 ranks" in out["mesh"]
+    assert "has shape (2, 16) but the plan was made for (4, 16)" in out["shape"]
+    assert "re-plan for the new shape" in out["shape"]
