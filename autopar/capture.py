@@ -24,13 +24,9 @@ Node meta written here (the capture stage's invariants):
 from __future__ import annotations
 
 import inspect
-import linecache
 import logging
 import operator
-import os
-import sys
 import time
-import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -40,8 +36,8 @@ import torch.fx
 import torch.nn as nn
 
 from autopar import _torch_compat as compat
-from autopar import stamp
-from autopar.errors import InputError, NoLossError, TraceError
+from autopar import capture_errors, stamp
+from autopar.errors import InputError, NoLossError
 
 log = logging.getLogger(__name__)
 _PREFIX = "model."          # the wrapper's attribute name, stripped from every FQN
@@ -138,8 +134,8 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable | No
     wrapper = _LossModule(traced, call, loss_fn, len(args))               # 2. model -> loss
     on_meta = any(t.is_meta for t in [*params.values(), *buffers.values()])
     export_inputs = tuple(t.to("meta") if on_meta else t for t in flat_inputs)  # one device for export
-    exported = _traced(lambda: compat.export_graph(wrapper, export_inputs))  # 3. export
-    _check_inputs_not_mutated(exported, input_names)
+    exported = capture_errors.traced(lambda: compat.export_graph(wrapper, export_inputs))  # 3. export
+    capture_errors.check_inputs_not_mutated(exported, input_names)
     _retarget_meta_to_cpu(exported)
     exported_at = time.perf_counter()
     grad_names = _grad_names(params)
@@ -147,7 +143,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable | No
     joint = _JointStep(exported, list(params), list(buffers), grad_names, aliases)
     mode = compat.FakeTensorMode(allow_non_fake_inputs=True)              # tensor constants stay real
     flat = [_to_fake(t, mode) for t in [*params.values(), *buffers.values(), *flat_inputs]]
-    gm = _traced(lambda: compat.trace_joint(joint, flat, decompose))      # 4. joint fwd+bwd
+    gm = capture_errors.traced(lambda: compat.trace_joint(joint, flat, decompose))      # 4. joint fwd+bwd
     _flatten_and_clean(gm)                                                # 5. flat I/O, node meta
     names = [*params, *buffers, *input_names]
     roles = ["param"] * len(params) + ["buffer"] * len(buffers) + ["input"] * len(input_names)
@@ -306,78 +302,6 @@ def _no_loss(out: Any, who: str) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- 3-4. export and joint retrace
-
-def _traced(step: Callable[[], torch.fx.GraphModule]) -> torch.fx.GraphModule:
-    """Run a tracing step; turn torch's failure into a TraceError naming the user's line."""
-    try:
-        return step()
-    except (InputError, NoLossError):
-        raise
-    except Exception as e:  # noqa: BLE001 - any tracing failure is reported the same way
-        err = TraceError(_trace_message(e))
-        err.original = e
-        if os.environ.get("AUTOPAR_DEBUG", "0") not in ("", "0"):
-            raise err from e
-        raise err from None
-
-
-def _trace_message(e: BaseException) -> str:
-    reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-    where = _user_frame(e)
-    at = f" at {where[0]}:{where[1]}" + (f": `{where[2]}`" if where[2] else "") if where else ""
-    hint = ""
-    if "data-dependent" in str(e) or "data dependent" in str(e):
-        hint = ("Python control flow that depends on tensor values (e.g. `if x.sum() > 0:`) "
-                "cannot be traced: use torch.where / torch.cond, or move it out of forward. ")
-    return (f"could not capture the model{at}. torch said: {type(e).__name__}: {reason}\n"
-            f"{hint}Set AUTOPAR_DEBUG=1 to see torch's traceback.")
-
-
-def _user_frame(e: BaseException) -> tuple[str, int, str] | None:
-    """The innermost frame outside torch, autopar and the standard library, over the chain."""
-    skip = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["autopar"]))
-    stdlib = os.path.dirname(os.__file__) + os.sep
-    found, seen = None, set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        for frame, line in traceback.walk_tb(e.__traceback__):
-            path = frame.f_code.co_filename
-            if not path.startswith(skip) and not path.startswith(stdlib) and not path.startswith("<"):
-                found = (path, line)
-        e = e.__cause__ or e.__context__
-    if found is None:
-        return None
-    return found[0], found[1], linecache.getline(found[0], found[1]).strip()
-
-
-def _check_inputs_not_mutated(gm: torch.fx.GraphModule, input_names: list[str]) -> None:
-    """An in-place op on an example input would change the caller's batch on every step, and a
-    sharded runtime would change only a slice of it: refuse it with the line that does it."""
-    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, name in zip(inputs, input_names):
-        for user in node.users:
-            schema = getattr(user.target, "_schema", None)
-            if schema is None:
-                continue
-            for i, arg in enumerate(schema.arguments):
-                if i < len(user.args) and user.args[i] is node and arg.alias_info is not None and arg.alias_info.is_write:
-                    at = _last_frame(user.meta.get("stack_trace", ""))
-                    raise InputError(
-                        f"the model modifies its input {name!r} in place with {user.target}{at}. autopar "
-                        "shards inputs across ranks, so in-place changes to them are not supported: "
-                        "work on a copy (e.g. `x = x * 2` instead of `x.mul_(2)`).")
-
-
-def _last_frame(stack_trace: str) -> str:
-    """' at file, line N: `code`' for the innermost frame of an FX stack trace ('' if none)."""
-    lines = [ln.strip() for ln in stack_trace.splitlines() if ln.strip()]
-    frames = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
-    if not frames:
-        return ""
-    i = frames[-1]
-    code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
-    return f" at {lines[i].removeprefix('File ')}" + (f": `{code}`" if code else "")
-
 
 def _retarget_meta_to_cpu(gm: torch.fx.GraphModule) -> None:
     """Make factory ops of a meta-device export create CPU tensors (fakes are CPU), and drop the
