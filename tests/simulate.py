@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from autopar.rules.localize import localize_args
 

@@ -3,11 +3,9 @@ from __future__ import annotations
 
 import warnings
 
-import pytest
-
 import autopar
 import models
-from autopar.placement import R, S
+from autopar.placement import S
 
 
 def _plan(case, mesh, **kw):

@@ -51,14 +51,14 @@ class OpCall:
         self.inputs = list(node.all_input_nodes)
         index = {n: i for i, n in enumerate(self.inputs)}
 
-        def conv(a):
+        def info(a):
             v = val_of(a)
             if isinstance(v, torch.Tensor):
                 return TInfo(index[a], tuple(int(s) for s in v.shape), v.dtype)
             return v  # a non-tensor produced by another node (rare: sym ints)
 
-        self.args = fx.node.map_arg(node.args, conv)
-        self.kwargs = fx.node.map_arg(node.kwargs, conv)
+        self.args = fx.node.map_arg(node.args, info)
+        self.kwargs = fx.node.map_arg(node.kwargs, info)
         out = node.meta.get("val")
         self.multi = isinstance(out, (tuple, list))
         outs = out if self.multi else (out,)
