@@ -42,6 +42,7 @@ import time as _time
 import numpy as np
 
 from .costgraph import CostEdge, CostGraph, CostNode, Solution
+from .costmodel.memory import format_bytes
 from .dp_oracle import brute_force, lagrangian, problem_order, solve_unconstrained
 from .errors import InfeasiblePlanError, InputError, SolverError
 from .ilp import BACKENDS, build_model, run_model
@@ -115,8 +116,9 @@ def _raise_infeasible(p: Problem, least: float) -> None:
                                   "(constraint families forbidden_pairs / edge_consistency)",
                                   min_memory_per_device=math.inf, budget=p.budget)
     raise InfeasiblePlanError(
-        f"no plan fits the memory budget of {p.budget / 1e9:.3f} GB per device: the smallest plan "
-        f"needs {least / 1e9:.3f} GB (constraint family memory_budget)",
+        f"no plan fits the memory budget of {format_bytes(p.budget)} per device: the smallest plan needs "
+        f"{format_bytes(least)} (constraint family memory_budget); raise memory_budget, use more devices, "
+        f"or shrink the batch",
         min_memory_per_device=least, budget=p.budget)
 
 
