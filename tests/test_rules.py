@@ -75,17 +75,21 @@ def _check_graph(gm: fx.GraphModule, values: dict) -> tuple[int, list[str]]:
         if node.op != "call_function" or is_getitem(node) or "empty" in str(node.target):
             continue
         call = OpCall(node, val_of)
-        in_info = [(tuple(val_of(a).shape), val_of(a).dtype) if isinstance(val_of(a), torch.Tensor)
-                   else (None, None) for a in call.inputs]
-        for strat in enum._axis_strategies(call):
-            outs = tuple((p,) if p is not None else None for p in strat.outs)
-            if not enum._fits(outs, call.outs, tuple((p,) for p in strat.ins), in_info):
-                continue
+        for strat in fitting_strategies(enum, call):
             got = run_local(node, strat, values, N, gen)
             checked += 1
             if not _close(got, values[node] if call.multi else values[node]):
                 failures.append(f"{node.name} {node.target} outs={strat.outs} ins={strat.ins}")
     return checked, failures
+
+
+def fitting_strategies(enum, call: OpCall) -> list:
+    """The op's 1-D rule strategies whose shards divide its shapes (what the planner would offer)."""
+    in_info = [(tuple(val_of(a).shape), val_of(a).dtype) if isinstance(val_of(a), torch.Tensor)
+               else (None, None) for a in call.inputs]
+    return [s for s in enum._axis_strategies(call)
+            if enum._fits(tuple((p,) if p is not None else None for p in s.outs), call.outs,
+                          tuple((p,) for p in s.ins), in_info)]
 
 
 @pytest.mark.parametrize("name", ["gpt", "gpt2", "llama", "bert"])

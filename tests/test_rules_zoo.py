@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import models
 from simulate import run_local
-from test_rules import N, _close, _real_values
+from test_rules import N, _close, _real_values, fitting_strategies
 
 from autopar.canonicalize import canonicalize
 from autopar.capture import capture
@@ -71,12 +71,7 @@ def _check_ops(case, ops=ZOO_OPS) -> tuple[int, list[str], set]:
             continue
         seen.add(node.target)
         call = OpCall(node, val_of)
-        in_info = [(tuple(val_of(a).shape), val_of(a).dtype) if isinstance(val_of(a), torch.Tensor)
-                   else (None, None) for a in call.inputs]
-        for strat in enum._axis_strategies(call):
-            outs = tuple((p,) if p is not None else None for p in strat.outs)
-            if not enum._fits(outs, call.outs, tuple((p,) for p in strat.ins), in_info):
-                continue
+        for strat in fitting_strategies(enum, call):
             checked += 1
             if not _close(run_local(node, strat, values, N, gen), values[node]):
                 failures.append(f"{node.name} {node.target} outs={strat.outs} ins={strat.ins}")
