@@ -3,9 +3,11 @@ from autopar import errors
 from autopar.diff import diff
 from autopar.mesh import Mesh
 from autopar.plan import Plan
+from autopar.precision import MixedPrecision
 from autopar.planner import plan
 from autopar.runtime import ParallelModule, autoparallelize
 from autopar.scaling import ScalingReport, scaling
 
-__all__ = ["Mesh", "Plan", "plan", "autoparallelize", "ParallelModule", "errors", "diff", "scaling", "ScalingReport"]
+__all__ = ["Mesh", "Plan", "plan", "autoparallelize", "ParallelModule", "errors", "diff", "scaling", "ScalingReport",
+           "MixedPrecision"]
 __version__ = "0.1.0"

@@ -1,12 +1,15 @@
 """Turn a solved Problem into a Plan: placements per node and parameter, collectives, totals."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from autopar.costing import CATEGORIES, Problem, resolve
 from autopar.params import ParamStrategy
 from autopar.placement import replicated, to_str
-from autopar.plan import CollectiveRecord, NodeChoice, ParamPlacement
+from autopar.plan import CollectiveRecord, NodeChoice, ParamPlacement, Plan
+from autopar.rules import IN_OP_COLLECTIVES, in_op_collectives
 
 
 def spec_strs(spec) -> tuple | None:
@@ -46,6 +49,10 @@ def collectives(prob: Problem, choice: np.ndarray, captured) -> list[CollectiveR
             reason = f"{_spec_text(a)}->{_spec_text(b)} for {dst_node.target}"
             add(rs.steps(a, b, e.nbytes), dst_node.meta.get("phase", "forward"), src_node.name, _module(dst_node),
                 reason, False)
+    for i, node in enumerate(prob.nodes):  # collectives inside an op (MoE expert dispatch)
+        if node.target in IN_OP_COLLECTIVES:
+            steps = in_op_collectives(node, prob.strategies[i][choice[i]], prob.reshard.axis_sizes)
+            add(steps, node.meta.get("phase", "forward"), node.name, _module(node), "expert dispatch", False)
     loss_i = prob.loss_index
     producer, out = resolve(captured.loss_node)
     s = prob.strategies[loss_i][choice[loss_i]]
@@ -144,4 +151,33 @@ def candidates(prob: Problem, choice: np.ndarray, budget: float | None) -> dict[
                                   "(the solve tiles whole layers) or the solver stopped at its time limit")
         key = node.meta["autopar_name"] if is_param else node.name
         out[key] = rows
+    return out
+
+
+def with_recompute(plan: Plan, prob: Problem, choice: np.ndarray, rc) -> Plan:
+    """The plan with activation recompute (`autopar.recompute.RecomputeDecision`, or None: unchanged):
+    its layers, the re-run forward seconds and repeated collectives added, the activations it frees."""
+    if rc is None:
+        return plan
+    memory = {**plan.memory_breakdown, "activations": plan.memory_breakdown["activations"] + rc.activations}
+    return dataclasses.replace(
+        plan, recompute=rc.paths, predicted_step_time=plan.predicted_step_time + rc.compute + rc.comm,
+        predicted_compute_time=plan.predicted_compute_time + rc.compute,
+        predicted_comm_time=plan.predicted_comm_time + rc.comm, memory_breakdown=memory,
+        memory_per_device=plan.memory_per_device + rc.activations,
+        collectives=plan.collectives + tuple(_repeated(prob, choice, rc.edges)))
+
+
+def _repeated(prob: Problem, choice: np.ndarray, edges) -> list[CollectiveRecord]:
+    """The reshards of re-run forward ops' inputs, run again in backward."""
+    rs, names, out = prob.reshard, prob.mesh.axis_names, []
+    for k in edges:
+        e = prob.edges[k]
+        a = prob.strategies[e.src][choice[e.src]].outs[e.out]
+        b = prob.strategies[e.dst][choice[e.dst]].ins[e.pos]
+        dst = prob.nodes[e.dst]
+        for st in rs.steps(a, b, e.nbytes):
+            out.append(CollectiveRecord(st.kind, names[st.axis], st.nbytes, rs.step_time(st, False), "backward",
+                                        prob.nodes[e.src].name, _module(dst),
+                                        f"recompute: {_spec_text(a)}->{_spec_text(b)} for {dst.target}"))
     return out

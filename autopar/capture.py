@@ -37,7 +37,9 @@ import torch.nn as nn
 
 from autopar import _torch_compat as compat
 from autopar import capture_errors, stamp
+from autopar.rules import moe
 from autopar.errors import InputError, NoLossError
+from autopar.precision import MixedPrecision, autocast_forward
 
 log = logging.getLogger(__name__)
 _PREFIX = "model."          # the wrapper's attribute name, stripped from every FQN
@@ -58,6 +60,7 @@ class Captured:
     param_shapes: dict[str, torch.Size] = field(default_factory=dict)
     param_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     stamped: dict[str, int] = field(default_factory=dict)  # layer stack FQN -> layers (traced 3, stamped)
+    mixed_precision: MixedPrecision | None = None  # the forward was traced under this autocast policy
 
     @property
     def output_nodes(self) -> tuple:
@@ -103,6 +106,7 @@ def capture(
     loss_fn: Callable | None = None,
     decompose: bool = True,
     stamp_layers: bool = True,
+    mixed_precision: MixedPrecision | None = None,
 ) -> Captured:
     """Capture one training step of `model` as a joint forward+backward ATen graph.
 
@@ -111,21 +115,22 @@ def capture(
     with `.loss`, a dict with "loss" or a tuple whose first item is the loss) or `loss_fn(output,
     *example_inputs)` must compute it. Parameters may live on the meta device: nothing is allocated.
     A stack of alike layers is traced three layers deep and stamped out (`autopar/stamp.py`);
-    `stamp_layers=False` traces every layer.
+    `stamp_layers=False` traces every layer. `mixed_precision` traces the forward under autocast
+    (`autopar.precision`): the graph holds autocast's casts, parameters stay fp32.
     """
     args, kwargs = _check_inputs(example_inputs, example_kwargs)          # 1. validate, name
     _bind_inputs(model, args, kwargs)
     stacks = stamp.find_stacks(model) if stamp_layers else []
     if stacks:
         try:
-            return _capture(model, args, kwargs, loss_fn, decompose, stacks)
+            return _capture(model, args, kwargs, loss_fn, decompose, stacks, mixed_precision)
         except stamp.StampError as e:
             log.info("capture: tracing every layer: %s", e)
-    return _capture(model, args, kwargs, loss_fn, decompose, [])
+    return _capture(model, args, kwargs, loss_fn, decompose, [], mixed_precision)
 
 
 def _capture(model: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable | None, decompose: bool,
-             stacks: list[stamp.LayerStack]) -> Captured:
+             stacks: list[stamp.LayerStack], mixed_precision: MixedPrecision | None = None) -> Captured:
     start = time.perf_counter()
     traced = stamp.shallow_model(model, stacks) if stacks else model
     input_names, flat_inputs, call = _bind_inputs(traced, args, kwargs)
@@ -137,10 +142,11 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable | No
     exported = capture_errors.traced(lambda: compat.export_graph(wrapper, export_inputs))  # 3. export
     capture_errors.check_inputs_not_mutated(exported, input_names)
     _retarget_meta_to_cpu(exported)
+    moe.use_traceable_experts(exported)                                   # MoE grouped matmul (rules/moe.py)
     exported_at = time.perf_counter()
     grad_names = _grad_names(params)
     aliases = {**_alias_map(tied), **_alias_map(buffer_ties)}
-    joint = _JointStep(exported, list(params), list(buffers), grad_names, aliases)
+    joint = _JointStep(exported, list(params), list(buffers), grad_names, aliases, mixed_precision)
     mode = compat.FakeTensorMode(allow_non_fake_inputs=True)              # tensor constants stay real
     flat = [_to_fake(t, mode) for t in [*params.values(), *buffers.values(), *flat_inputs]]
     gm = capture_errors.traced(lambda: compat.trace_joint(joint, flat, decompose))      # 4. joint fwd+bwd
@@ -148,6 +154,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable | No
     names = [*params, *buffers, *input_names]
     roles = ["param"] * len(params) + ["buffer"] * len(buffers) + ["input"] * len(input_names)
     _annotate(gm, names, roles)
+    moe.fuse_grouped_mm(gm)                                               # stand-ins -> grouped matmuls
     if stacks:                                                            # 6. stamp out the layers
         params, tied, buffers, grad_names = _stamp(gm, model, stacks, grad_names, input_names)
     used = _params_used_in_forward(gm)
@@ -159,7 +166,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable | No
         unused_params=[n for n in params if n not in used],
         param_shapes={n: p.shape for n, p in params.items()},
         param_dtypes={n: p.dtype for n, p in params.items()},
-        stamped={s.path: s.num_layers for s in stacks},
+        stamped={s.path: s.num_layers for s in stacks}, mixed_precision=mixed_precision,
     )
 
 
@@ -338,8 +345,9 @@ class _JointStep:
     """`(*params, *buffers, *inputs) -> (loss, *grads)` by functorch over the exported graph."""
 
     def __init__(self, exported: torch.fx.GraphModule, param_names: list[str],
-                 buffer_names: list[str], grad_names: list[str], aliases: dict[str, str]):
-        self.exported, self.aliases = exported, aliases
+                 buffer_names: list[str], grad_names: list[str], aliases: dict[str, str],
+                 mixed_precision: MixedPrecision | None = None):
+        self.exported, self.aliases, self.mixed_precision = exported, aliases, mixed_precision
         self.param_names, self.buffer_names, self.grad_names = param_names, buffer_names, grad_names
 
     def __call__(self, *flat: torch.Tensor) -> tuple:
@@ -349,8 +357,11 @@ class _JointStep:
         inputs = flat[num_p + num_b:]
 
         def loss_of(diff: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> torch.Tensor:
-            # buffers are an argument, not a closure: functorch only lets a function mutate its inputs
-            out = _GraphRunner(self.exported, {**params, **buffers, **diff}, self.aliases).run(*inputs)
+            # buffers are an argument, not a closure: functorch only lets a function mutate its inputs.
+            # Autocast covers the forward only (as `with autocast: loss = model(x)`; backward outside):
+            # torch.export records ops above autocast, so the casts appear when this retrace runs them.
+            with autocast_forward(self.mixed_precision):
+                out = _GraphRunner(self.exported, {**params, **buffers, **diff}, self.aliases).run(*inputs)
             loss = out[0] if isinstance(out, (tuple, list)) else out
             compat.tag_backward_nodes(loss)
             return loss

@@ -20,11 +20,13 @@ import torch.fx as fx
 
 from autopar.canonicalize import VIEW_OPS, packet
 from autopar.costgraph import CostEdge, CostGraph, CostNode
+from autopar import precision
 from autopar.costmodel import compute
 from autopar.costmodel.memory import optimizer_state_bytes_per_param
 from autopar.params import input_strategies, param_memory, param_strategies
 from autopar.placement import kind, local_fraction, replicated
 from autopar.reshard import ReshardCost
+from autopar.rules import IN_OP_COLLECTIVES, in_op_collectives
 from autopar.strategies import NodeStrategy, StrategyEnumerator, is_getitem, prune_partials, val_of
 
 # "params" are the stored (master) shards and buffers; "gathered_params" the whole copies ZeRO-1/2
@@ -41,6 +43,7 @@ class EdgeInfo:
     pos: int          # which tensor input of the consumer (-1 for "grad" edges)
     nbytes: float     # global bytes of the tensor moved
     kind: str         # "data" | "grad"
+    no_reduce: bool = False  # a data edge inside a gradient's cast/view tail (mixed precision): no reductions
 
 
 @dataclass
@@ -103,13 +106,17 @@ def _node_compute(node: fx.Node, strats: list[NodeStrategy], hw, axis_sizes) -> 
     return times
 
 
-def saved_values(gm: fx.GraphModule) -> set[tuple[fx.Node, int]]:
-    """Forward values read by backward ops, resolved through view-like ops to their base."""
+def saved_values(gm: fx.GraphModule, recomputed: frozenset = frozenset()) -> set[tuple[fx.Node, int]]:
+    """Forward values read by backward ops, resolved through view-like ops to their base.
+    `recomputed`: forward nodes that backward runs again (`autopar.recompute`): they read their
+    inputs in backward like backward ops do, and are themselves not kept."""
     saved = set()
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.meta.get("phase") != "backward":
+        if node.op != "call_function" or (node.meta.get("phase") != "backward" and node not in recomputed):
             continue
         for a in node.all_input_nodes:
+            if a in recomputed:
+                continue
             base, i = resolve(a)
             while base.op == "call_function" and packet(base) in FREE_OPS and base.meta.get("phase") == "forward":
                 base, i = resolve(base.all_input_nodes[0])
@@ -192,6 +199,9 @@ class ProblemBuilder:
             else:
                 prob.compute.append(self._memoized(("compute", id(strats), self.enumerate.signature[node]), (strats,),
                                                    lambda: _node_compute(node, strats, self.hw, self.axis_sizes)))
+                if node.target in IN_OP_COLLECTIVES:  # collectives inside the op (MoE expert dispatch)
+                    comm[:] = [sum(self.reshard.step_time(st) for st in in_op_collectives(node, s, self.axis_sizes))
+                               for s in strats]
             if node in saved:
                 key = ("saved", id(strats), self.enumerate.signature.get(node, node), tuple(saved[node]))
                 mem["activations"] = self._memoized(key, (strats,), lambda: self._saved_bytes(val, strats, saved[node]))
@@ -235,6 +245,8 @@ class ProblemBuilder:
         return times
 
     def _data_edges(self, prob: Problem) -> None:
+        tails = (precision.gradient_tails(list(self.captured.grad_nodes.values()))
+                 if self.captured.mixed_precision is not None else set())
         for dst, node in enumerate(prob.nodes):
             if node.op == "placeholder":
                 continue
@@ -242,15 +254,17 @@ class ProblemBuilder:
                 producer, out = resolve(a)
                 if producer not in prob.index:
                     continue
-                prob.edges.append(EdgeInfo(prob.index[producer], out, dst, pos, nbytes_of(val_of(a)), "data"))
+                prob.edges.append(EdgeInfo(prob.index[producer], out, dst, pos, nbytes_of(val_of(a)), "data",
+                                           no_reduce=node in tails))
 
     def _grad_edges(self, prob: Problem) -> None:
         for name, g in self.captured.grad_nodes.items():
             producer, out = resolve(g)
             if producer not in prob.index or name not in prob.param_index:
                 continue
-            prob.edges.append(EdgeInfo(prob.param_index[name], out, prob.index[producer], -1,
-                                       nbytes_of(val_of(g)), "grad"))
+            val = val_of(g)  # mixed precision: the reduction moves `reduce_dtype` elements
+            nbytes = val.numel() * precision.reduce_itemsize(self.captured.mixed_precision, val.dtype)
+            prob.edges.append(EdgeInfo(prob.param_index[name], out, prob.index[producer], -1, float(nbytes), "grad"))
 
     def _loss(self, prob: Problem) -> None:
         producer, out = resolve(self.captured.loss_node)
@@ -265,7 +279,7 @@ class ProblemBuilder:
         """Seconds of resharding per (src strategy, dst strategy), priced once per unique spec pair;
         edges between the same strategy lists (identical layers) share one read-only matrix."""
         src_s, dst_s = prob.strategies[e.src], prob.strategies[e.dst]
-        key = ("edge", e.kind, id(src_s), id(dst_s), e.out, e.pos, float(e.nbytes))
+        key = ("edge", e.kind, id(src_s), id(dst_s), e.out, e.pos, float(e.nbytes), e.no_reduce)
         return self._memoized(key, (src_s, dst_s), lambda: self._edge_matrix(src_s, dst_s, e))
 
     def _edge_matrix(self, src_s: list[NodeStrategy], dst_s: list[NodeStrategy], e: EdgeInfo) -> np.ndarray:
@@ -277,7 +291,14 @@ class ProblemBuilder:
             src_specs = [s.outs[e.out] for s in src_s]
             dst_specs = [d.ins[e.pos] for d in dst_s]
             small = self._spec_matrix(src_specs, dst_specs, e.nbytes, bucketed=False)
+            if e.no_reduce:
+                small = np.where(self._reduces(src_specs, dst_specs), np.inf, small)
         return small[np.ix_(_index_of(src_specs), _index_of(dst_specs))]
+
+    def _reduces(self, a_specs, b_specs) -> np.ndarray:
+        """Per unique spec pair: does resharding a -> b all-reduce or reduce-scatter?"""
+        return np.array([[any(st.kind in ("all_reduce", "reduce_scatter") for st in self.reshard.steps(a, b, 1.0))
+                          for b in dict.fromkeys(b_specs)] for a in dict.fromkeys(a_specs)])
 
     def _spec_matrix(self, a_specs, b_specs, nbytes: float, bucketed: bool) -> np.ndarray:
         """reshard(a -> b) over the unique specs of each side, in first-seen order; identical layers

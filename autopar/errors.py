@@ -22,6 +22,10 @@ class MeshError(AutoparError, ValueError):
     """A mesh that cannot be built or does not match the running world."""
 
 
+class DeviceError(AutoparError, RuntimeError):
+    """A device was requested that this machine or torch build does not have (e.g. CUDA on a CPU build)."""
+
+
 class HardwareError(AutoparError, ValueError):
     """An unknown hardware preset or a corrupt/incomplete hardware profile."""
 

@@ -4,6 +4,8 @@
                   meta["autopar_role"] and ["autopar_name"]; ops carry meta["phase"].
     apply_plan    + every placeholder and op (getitems too) has meta["autopar_outs"] and
                   ["autopar_ins"]: one spec (placement per mesh axis) per output / tensor input.
+    recompute     (same invariants) + re-run forward ops of recomputed layers sit in backward with
+                  meta["autopar_pass"] = "recompute" and the originals' val and placements.
     insert_redistribute
                   + every op input's spec equals what the op requires (mismatches go through
                   `redistribute` nodes); the loss is Replicate; each gradient has its master spec.
@@ -44,6 +46,7 @@ def verify(gm: fx.GraphModule, stage: str, ctx=None) -> None:
     checks = {
         "captured": (_captured,),
         "apply_plan": (_captured, _planned),
+        "recompute": (_captured, _planned),
         "insert_redistribute": (_captured, _planned, _consistent),
         "lower_collectives": (_captured, _lowered),
         "bucket_collectives": (_captured, _lowered),

@@ -83,6 +83,7 @@ class Plan:
     timings: dict = field(default_factory=dict)     # planning phase -> seconds
     model: dict = field(default_factory=dict)       # name, parameter count, input shapes, tied
     candidates: dict = field(default_factory=dict)  # param FQN / node -> rows of the choices it had
+    mixed_precision: dict | None = None  # {"param_dtype", "reduce_dtype"} (autopar.precision), None = fp32
 
     # ------------------------------------------------------------------ reading
     def placement(self, name: str) -> tuple:

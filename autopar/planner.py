@@ -8,7 +8,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from autopar import assemble, recipes
+from autopar import assemble, precision, recipes
+from autopar import recompute as recompute_mod
 from autopar.canonicalize import canonicalize
 from autopar.capture import capture
 from autopar.costing import ProblemBuilder
@@ -36,22 +37,37 @@ class _Timer(dict):
 
 
 def plan(model, example_inputs, *, mesh, strategy="auto", memory_budget=None, optimizer="adamw", loss_fn=None,
-         time_limit=None, example_kwargs=None, baselines: bool = True, **unsupported) -> Plan:
+         time_limit=None, example_kwargs=None, baselines: bool = True, mixed_precision=None, recompute=None,
+         **unsupported) -> Plan:
     """Capture `model`'s training step, price every way to split it over `mesh`, and pick the fastest
     that fits `memory_budget` bytes per device (int or "80GB"). One process, fake tensors.
-    `baselines=False` skips pricing the textbook recipes for comparison (faster; none in the plan)."""
+    `baselines=False` skips pricing the textbook recipes for comparison (faster; none in the plan).
+    `mixed_precision="bf16"` (or a `MixedPrecision`) plans the autocast step (`autopar.precision`).
+    `recompute`: None/"auto" (layers recompute only when no plan fits the budget otherwise), "none",
+    "all", or a list of layer paths ("transformer.h.0"); see `autopar.recompute`.
+    `num_stages=p` (or a mesh whose first axis is "pp") forces a pipeline: `autopar.pipeline_plan`."""
+    if (unsupported.get("num_stages") or 1) > 1 or "pp" in getattr(mesh, "axis_names", ()):
+        from autopar.pipeline_plan import plan_pipelined
+        if mixed_precision is not None or recompute not in (None, "none"):
+            raise InputError("mixed_precision and recompute are not supported with pipelined plans yet")
+        return plan_pipelined(model, example_inputs, mesh=mesh, example_kwargs=example_kwargs, loss_fn=loss_fn,
+                              strategy=strategy, memory_budget=memory_budget, optimizer=optimizer,
+                              time_limit=time_limit, baselines=baselines, **unsupported)
     _reject_unsupported(unsupported)
+    policy = precision.resolve(mixed_precision)
     timer = _Timer()
     with timer("capture"):        # torch.export + joint trace on fake tensors
-        captured = capture(model, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn)
+        captured = capture(model, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
+                           mixed_precision=policy)
     with timer("canonicalize"):   # addmm split, per-phase parameter views
         canonicalize(captured.gm)
     return plan_captured(captured, model, example_inputs, mesh=mesh, strategy=strategy, memory_budget=memory_budget,
-                         optimizer=optimizer, time_limit=time_limit, baselines=baselines, timer=timer)
+                         optimizer=optimizer, time_limit=time_limit, baselines=baselines, timer=timer,
+                         recompute=recompute)
 
 
 def plan_captured(captured, model, example_inputs, *, mesh, strategy="auto", memory_budget=None, optimizer="adamw",
-                  time_limit=None, baselines: bool = True, timer=None) -> Plan:
+                  time_limit=None, baselines: bool = True, timer=None, recompute=None) -> Plan:
     """The planning steps after capture (the runtime calls this with the graph it already has)."""
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
@@ -67,9 +83,9 @@ def plan_captured(captured, model, example_inputs, *, mesh, strategy="auto", mem
     with timer("baselines"):      # the textbook recipes under the same cost model
         table, solutions = _baselines(prob, captured, mesh, time_limit) if baselines else ({}, {})
     with timer("solve"):          # the ILP over everything, warm-started from the best recipe
-        sol, reason = _solve_requested(prob, captured, mesh, wanted, solutions, time_limit)
-    return _assemble(prob, captured, mesh, strategy, wanted, budget, sol, reason, table, timer, model,
-                     example_inputs)
+        sol, reason, rc = _solve_with_recompute(prob, captured, mesh, wanted, solutions, time_limit, recompute)
+    return assemble.with_recompute(_assemble(prob, captured, mesh, strategy, wanted, budget, sol, reason, table, timer,
+                                             model, example_inputs), prob, sol.choice, rc)
 
 
 DATA_PARALLEL = ("dp", "zero1", "zero2", "zero3")
@@ -103,6 +119,9 @@ def _reject_unsupported(kw: dict) -> None:
             continue
         if key == "mixed_precision" and value is None:
             continue
+        if key in ("num_microbatches", "schedule"):
+            raise InputError(f"{key}={value!r} applies to pipelined plans only: pass num_stages=2 or more, or a "
+                             "mesh with a 'pp' axis")
         raise InputError(f"plan() got an unsupported option {key}={value!r}")
 
 
@@ -167,6 +186,29 @@ def _solve_requested(prob, captured, mesh, wanted, solutions, time_limit):
         return sol, reason
 
 
+def _solve_with_recompute(prob, captured, mesh, wanted, solutions, time_limit, recompute):
+    """(solution, infeasible reason, RecomputeDecision or None). Activation recompute enters when
+    asked for, or ("auto") only when no plan fits the budget without it."""
+    mode = recompute_mod.normalize(recompute, list(recompute_mod.layer_nodes(prob.gm)))
+    if mode in ("auto", "none"):
+        try:
+            sol, reason = _solve_requested(prob, captured, mesh, wanted, solutions, time_limit)
+        except InfeasiblePlanError:
+            if mode == "none" or not recompute_mod.recomputable(prob.gm):
+                raise
+        else:
+            if mode == "none" or not reason or not recompute_mod.recomputable(prob.gm):
+                return sol, reason, None
+    fixed = None if all(r == "auto" for r in wanted) else _fixed(prob, captured, mesh, wanted)
+    try:
+        sol, rc = recompute_mod.solve_recompute(prob, mode, fixed=fixed, time_limit=time_limit)
+    except InfeasiblePlanError:
+        if fixed is None or mode != "auto":
+            raise
+        return (*_solve_requested(prob, captured, mesh, wanted, solutions, time_limit), None)
+    return sol, "", rc
+
+
 def fingerprint(captured, mesh) -> str:
     h = hashlib.sha256()
     for node in captured.gm.graph.nodes:
@@ -196,4 +238,5 @@ def _assemble(prob, captured, mesh, strategy, wanted, budget, sol, reason, basel
         timings=dict(timer), candidates=assemble.candidates(prob, sol.choice, budget),
         model={"name": type(model).__name__, "parameters": int(sum(np.prod(s) for s in captured.param_shapes.values())),
                "inputs": [list(t.shape) for t in inputs if hasattr(t, "shape")], "tied": captured.tied},
+        mixed_precision=captured.mixed_precision.to_json() if captured.mixed_precision is not None else None,
     )

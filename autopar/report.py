@@ -291,6 +291,29 @@ def _recipe_mix(plan, axis: int) -> str:
     return ", ".join(f"{100 * n / total:.0f}% {m}" for m, n in weight.most_common(3))
 
 
+_NORM_MODULE = re.compile(r"(norm|^ln)", re.I)   # a module leaf naming a layer norm / RMSNorm
+_LAYER = re.compile(r"^(.*?\.\d+)(\.|$)")          # "model.layers.3" of "model.layers.3.input_layernorm"
+
+
+def sequence_parallel_line(plan) -> str | None:
+    """Where the sequence is split (Korthikanti et al. 2022): per mesh axis, how many norms inside
+    numbered layers run on a sequence shard, i.e. every forward op of the norm module holds Shard(d)
+    with d past the batch dim on that axis; None when none does (the line is then left out)."""
+    norms: dict[str, list] = defaultdict(list)  # norm module -> output specs of its forward ops
+    for c in plan.nodes.values():
+        if c.phase == "forward" and _LAYER.match(c.module) and _NORM_MODULE.search(c.module.rsplit(".", 1)[-1]) \
+                and c.outs and c.outs[0]:
+            norms[c.module].append(c.outs[0])
+    parts = []
+    for a, ax in enumerate(plan.mesh.axis_names):
+        split = [m for m, specs in norms.items() if all(re.fullmatch(r"S[1-9]\d*", spec[a]) for spec in specs)]
+        if split:
+            layers = {_LAYER.match(m).group(1) for m in split}
+            parts.append(f"{len(split)} of {len(norms)} norms in {len(layers)} layers split on the sequence over "
+                         f"axis {ax}")
+    return "sequence  " + "; ".join(parts) + " (sequence parallelism)" if parts else None
+
+
 def header_lines(plan) -> list[str]:
     m = plan.model
     lines = [f"autopar plan — {m.get('name', '?')}, {m.get('parameters', 0):,} parameters, inputs "
@@ -299,6 +322,13 @@ def header_lines(plan) -> list[str]:
     recipes = "; ".join(f"{ax}: {r} (weights {_recipe_mix(plan, i)})"
                         for i, (ax, r) in enumerate(zip(plan.mesh.axis_names, plan.recipes)))
     lines.append(f"strategy  {plan.strategy!s} -> {recipes}")
+    if plan.mixed_precision:  # fp32 plans print as before
+        mp = plan.mixed_precision
+        lines.append(f"precision {mp['param_dtype']} compute (autocast), fp32 master weights and optimizer state, "
+                     f"{mp['reduce_dtype']} gradient reduction")
+    sequence = sequence_parallel_line(plan)
+    if sequence:  # plans without sequence parallelism print as before
+        lines.append(sequence)
     for owner, aliases in m.get("tied", {}).items():
         lines.append(f"tied      {', '.join(aliases)} = {owner}")
     lines.append("feasible  yes" if plan.feasible else f"INFEASIBLE  {plan.infeasible_reason}")
@@ -324,10 +354,38 @@ def totals_lines(plan) -> list[str]:
         + format_seconds(s.get("seconds", 0.0)) + (f" ({sizes})" if sizes else ""),
         "planning  " + " · ".join(f"{k} {format_seconds(v)}" for k, v in _timings(plan.timings)),
     ]
+    if plan.recompute:  # after the memory line: the activations it frees are in that line
+        lines.insert(2, f"recompute {len(plan.recompute)} layers re-run their forward in backward: "
+                        + _compact_paths(plan.recompute))
     if plan.stages:
-        lines.insert(1, f"pipeline  {len(plan.stages)} stages, {plan.num_microbatches} micro-batches, "
-                        f"schedule {plan.schedule}")
+        lines[1:1] = stage_lines(plan)
     return lines
+
+
+def stage_lines(plan) -> list[str]:
+    """The pipeline: schedule, micro-batches, predicted bubble, then per stage its units, ranks,
+    time per micro-batch (forward + backward) and memory per device."""
+    p, m = len(plan.stages), plan.num_microbatches
+    bubble = plan.solver.get("bubble_fraction", (p - 1) / (m + p - 1))
+    lines = [f"pipeline  {p} stages, {m} micro-batches, schedule {plan.schedule}, "
+             f"predicted bubble {100 * bubble:.0f}% of the step"]
+    for st in plan.stages:
+        ranks = f"{st.ranks[0]}-{st.ranks[-1]}" if len(st.ranks) > 1 else str(st.ranks[0])
+        blocks = [u for u in st.modules if not u.startswith("<")]
+        units = [u for u in st.modules if u == "<pre>"] + ([_compact_paths(blocks)] if blocks else []) \
+            + [u for u in st.modules if u == "<post>"]
+        lines.append(f"  stage {st.index}  ranks {ranks}  {', '.join(units)}  "
+                     f"{format_seconds(st.predicted_time)}/micro-batch  {format_bytes(st.memory)}")
+    return lines
+
+
+def _compact_paths(paths) -> str:
+    """("transformer.h.0", "transformer.h.1", "transformer.h.3") -> "transformer.h.{0,1,3}"."""
+    by: dict[str, list[str]] = {}
+    for p in paths:
+        container, _, index = p.rpartition(".")
+        by.setdefault(container, []).append(index)
+    return ", ".join(f"{c}.{{{','.join(ix)}}}" if len(ix) > 1 else f"{c}.{ix[0]}" for c, ix in by.items())
 
 
 def _timings(timings: dict) -> list[tuple[str, float]]:

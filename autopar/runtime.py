@@ -17,9 +17,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import distribute_tensor
 
+from autopar import errors, precision
 from autopar.canonicalize import canonicalize
 from autopar.capture import capture
-from autopar.errors import InputError, MeshError
+from autopar.errors import DeviceError, InputError, MeshError
 from autopar.materialize import is_meta, stream_tensors
 from autopar.mesh import Mesh
 from autopar.placement import local_shape
@@ -29,11 +30,28 @@ from autopar.passes import PassContext, run_passes
 from autopar.passes.context import parse_spec
 
 
-def _init_distributed() -> tuple[int, int]:
+def _backend_for(device: str | None) -> str:
+    """gloo for "cpu", NCCL for "cuda"; None follows what this machine has (CUDA when present)."""
+    if device is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if device not in ("cpu", "cuda"):
+        raise InputError(f"device={device!r}: use 'cpu' (gloo), 'cuda' (NCCL) or None (CUDA when present)")
+    if device == "cuda" and not torch.cuda.is_available():
+        why = "this torch is a CPU build" if torch.version.cuda is None else "no GPU or driver is visible"
+        raise DeviceError(f"device='cuda' was requested but torch.cuda.is_available() is False ({why}: torch "
+                          f"{torch.__version__}); use device='cpu' (gloo), or run on a GPU machine with a CUDA "
+                          "build of torch")
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def _init_distributed(device: str | None = None) -> tuple[int, int]:
     """Join torchrun's process group (gloo on CPU, NCCL with CUDA), or make a world of one."""
+    backend = _backend_for(device)
+    if dist.is_initialized() and device is not None and dist.get_backend() != backend:
+        raise DeviceError(f"device={device!r} needs the {backend} backend but the process group was initialised "
+                          f"with {dist.get_backend()}; initialise it with {backend!r} or pass device=None")
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
             if attempt is None:
                 dist.init_process_group(backend)
@@ -43,7 +61,7 @@ def _init_distributed() -> tuple[int, int]:
                 dist.init_process_group(backend, store=dist.PrefixStore(f"autopar/attempt_{attempt}", store),
                                         rank=rank, world_size=world)
         else:
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -59,21 +77,53 @@ def _local_device() -> str:
 
 
 def _broadcast_plan(plan_fn) -> Plan:
-    """Rank 0 plans, every rank receives the same JSON (solver time limits may not be repeatable)."""
-    box = [plan_fn().to_json() if dist.get_rank() == 0 else None]
+    """Rank 0 plans, every rank receives the same JSON (solver time limits may not be repeatable).
+
+    Planning may fail on rank 0 (a user mistake it detects, an infeasible budget): then every rank
+    raises the same error, instead of the others waiting in the broadcast for a plan that never comes.
+    """
+    box: list = [None]
+    failure = None
+    if dist.get_rank() == 0:
+        try:
+            box = [plan_fn().to_json()]
+        except Exception as e:  # every rank must leave the broadcast; rank 0 re-raises its own below
+            failure, box = e, [_portable_error(e)]
     dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    if isinstance(box[0], dict):
+        raise _rebuild_error(box[0])
     return Plan.from_json(box[0])
+
+
+def _portable_error(e: Exception) -> dict:
+    """An exception as plain data (its class may not unpickle: keyword-only constructor arguments)."""
+    return {"type": type(e).__name__, "message": str(e),
+            "attrs": {k: v for k, v in vars(e).items() if isinstance(v, (int, float, str, type(None)))}}
+
+
+def _rebuild_error(data: dict) -> Exception:
+    cls = getattr(errors, data["type"], None)
+    if isinstance(cls, type) and issubclass(cls, errors.AutoparError):
+        err = cls.__new__(cls)
+        Exception.__init__(err, data["message"])
+        err.__dict__.update(data["attrs"])
+        return err
+    return RuntimeError(f"planning failed on rank 0 ({data['type']}): {data['message']}")
 
 
 def autoparallelize(model: nn.Module, example_inputs: tuple, *, mesh=None, strategy="auto", memory_budget=None,
                     plan: Plan | None = None, loss_fn=None, example_kwargs=None, optimizer: str = "adamw",
-                    time_limit=None, verify: bool = False, init_fn=None, **kw) -> "ParallelModule":
+                    time_limit=None, verify: bool = False, init_fn=None, device: str | None = None,
+                    **kw) -> "ParallelModule":
     """Plan (or reuse `plan`), rewrite and return a module that trains on this rank of the job.
 
     A model on the meta device is materialised module by module (`init_fn(module)`, default: torch.nn
     layers' reset_parameters), each rank keeping only its shards; see `autopar.materialize`.
+    `device`: "cpu" (gloo), "cuda" (NCCL) or None (CUDA when this machine has it).
     """
-    _, world = _init_distributed()
+    _, world = _init_distributed(device)
     if mesh is None:
         mesh = Mesh((world,), hardware="cpu" if _device_type() == "cpu" else "h100")
     elif not isinstance(mesh, Mesh):
@@ -81,14 +131,24 @@ def autoparallelize(model: nn.Module, example_inputs: tuple, *, mesh=None, strat
     if mesh.size != world:
         raise MeshError(f"the mesh has {mesh.size} devices ({mesh}) but this job has {world} ranks; "
                         f"launch with torchrun --nproc_per_node {mesh.size} or pass a mesh of {world}")
-    captured = capture(model, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn)
+    if _is_pipelined(mesh, plan, kw):  # a "pp" axis: autopar/pipeline_runtime.py
+        from autopar.pipeline_runtime import autoparallelize_pipelined
+        return autoparallelize_pipelined(
+            model, example_inputs, mesh=mesh, plan=plan, example_kwargs=example_kwargs, loss_fn=loss_fn,
+            verify=verify, device_type=_device_type(), device=_local_device(), broadcast=_broadcast_plan,
+            strategy=strategy, memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit, **kw)
+    policy = precision.resolve_with_plan(kw.pop("mixed_precision", None), plan)  # None: fp32
+    captured = capture(model, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
+                       mixed_precision=policy)
     canonicalize(captured.gm)
     baselines = kw.pop("baselines", True)
+    recompute = kw.pop("recompute", None)
     _reject_unsupported(kw)
     if plan is None:
         plan = _broadcast_plan(lambda: plan_captured(captured, model, example_inputs, mesh=mesh, strategy=strategy,
                                                      memory_budget=memory_budget, optimizer=optimizer,
-                                                     time_limit=time_limit, baselines=baselines))
+                                                     time_limit=time_limit, baselines=baselines,
+                                                     recompute=recompute))
     plan.check_matches(fingerprint(captured, mesh), mesh)
     device_mesh = init_device_mesh(_device_type(), tuple(mesh.shape), mesh_dim_names=tuple(mesh.axis_names))
     ctx = PassContext(plan, tuple(mesh.shape), coords=tuple(device_mesh.get_coordinate()),
@@ -96,6 +156,11 @@ def autoparallelize(model: nn.Module, example_inputs: tuple, *, mesh=None, strat
                       grad_names=tuple(captured.grad_param_names), device=_local_device())
     gm = run_passes(captured.gm, ctx, verify=verify)
     return ParallelModule(model, captured, plan, gm, device_mesh, ctx, init_fn=init_fn)
+
+
+def _is_pipelined(mesh: Mesh, plan: Plan | None, kw: dict) -> bool:
+    """A forced pipeline (num_stages > 1), a mesh with a "pp" axis, or a saved plan with stages."""
+    return (kw.get("num_stages") or 1) > 1 or "pp" in mesh.axis_names or (plan is not None and bool(plan.stages))
 
 
 class _JointStep(torch.autograd.Function):

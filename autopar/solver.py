@@ -33,6 +33,11 @@ Determinism: the DP, HiGHS/SCIP/CBC (one thread) and CP-SAT solved to optimality
 byte; under a time limit with deterministic=True CP-SAT runs `interleave_search` and stops on
 `max_deterministic_time` = half the remaining limit (the wall clock is only a safety net).
 Backend choice, measured by benchmarks/solver_backends.py: see BENCHMARK in `autopar.ilp`.
+
+Activation recompute (`autopar.recompute`) adds a binary r_l per layer, linearized with the x[i,s]
+of the layer's nodes; it is written as extra strategies (s, r) and a two-strategy node per layer,
+so this model, the DP, the Lagrangian and layer tiling solve it unchanged (the formulation is in
+that module's docstring).
 """
 from __future__ import annotations
 

@@ -71,9 +71,11 @@ class StrategyEnumerator:
                               "slower). Please report the op.", UnsupportedOpWarning, stacklevel=3)
             self.unsupported[name] = self.unsupported.get(name, 0) + 1
             return [replicate]
-        seen, out = set(), [replicate]
-        seen.add(replicate)
-        for s in rule(call):
+        found = rule(call)
+        # a rule may rule Replicate out (a forced layout: rules/moe.py); it stays the fallback below
+        seen, out = set(), [] if getattr(found, "exclusive", False) else [replicate]
+        seen.update(out)
+        for s in found:
             s = AxisStrategy(tuple(p if o is not None else None for p, o in zip(s.outs, call.outs)), s.ins)
             if s not in seen:
                 seen.add(s)
@@ -91,6 +93,9 @@ class StrategyEnumerator:
             ins = tuple(tuple(a.ins[j] for a in combo) for j in range(call.num_inputs))
             if self._fits(outs, call.outs, ins, in_shapes):
                 result.append(NodeStrategy(outs, ins))
+        if not result:  # an exclusive rule whose splits do not divide: run replicated
+            result.append(NodeStrategy(tuple(None if o is None else (R,) * len(self.axis_sizes) for o in call.outs),
+                                       ((R,) * len(self.axis_sizes),) * call.num_inputs))
         return result
 
     def _fits(self, outs, out_infos, ins, in_shapes) -> bool:

@@ -1,14 +1,17 @@
-"""Memory accounting helpers: optimizer state per parameter, and parsing/printing byte counts.
+"""Memory accounting helpers: optimizer state per parameter, parsing/printing byte counts, and the
+published activation-memory formulas of a transformer layer.
 
 The planner's memory row adds parameters, gradients, optimizer state and saved activations per
-device; this module supplies the optimizer part (bytes of state per parameter element) and the
-unit handling users see ("80GB" in, "1.23 GB" out).
+device; this module supplies the optimizer part (bytes of state per parameter element), the
+unit handling users see ("80GB" in, "1.23 GB" out), and Korthikanti et al.'s per-layer activation
+counts, the reference the planner's saved-tensor accounting is checked against.
 """
 from __future__ import annotations
 
 import math
 import re
 
+import sympy as sp
 import torch
 
 from autopar.errors import InputError
@@ -52,6 +55,27 @@ def optimizer_state_bytes_per_param(optimizer: str | int | float,
     if master_weights and param_dtype.itemsize < 4:
         nbytes += 4
     return float(nbytes)
+
+
+# Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", Table 2):
+# bytes of activations one GPT layer keeps for backward, per device, with 2-byte activations and
+# 1-byte dropout masks; s sequence, b batch, h hidden, a heads, t tensor-parallel ways.
+_s, _bb, _h, _a, _t = sp.symbols("s b h a t", positive=True)
+LAYER_ACTIVATION_FORMULAS: dict[str, sp.Expr] = {
+    "none": _s * _bb * _h * (34 + 5 * _a * _s / _h),
+    "tensor": _s * _bb * _h * (10 + 24 / _t + 5 * _a * _s / (_h * _t)),
+    "tensor+sequence": _s * _bb * _h * (34 + 5 * _a * _s / _h) / _t,
+}
+
+
+def layer_activation_bytes(seq: int, batch: int, hidden: int, heads: int, tp: int = 1,
+                           parallelism: str = "none") -> float:
+    """Korthikanti et al.'s activation bytes per transformer layer and device; `parallelism` is
+    "none", "tensor" (t = `tp` ways) or "tensor+sequence" (sequence parallelism between the regions)."""
+    if parallelism not in LAYER_ACTIVATION_FORMULAS:
+        raise InputError(f"unknown parallelism {parallelism!r}; choose one of {sorted(LAYER_ACTIVATION_FORMULAS)}")
+    expr = LAYER_ACTIVATION_FORMULAS[parallelism]
+    return float(expr.subs({_s: seq, _bb: batch, _h: hidden, _a: heads, _t: tp}))
 
 
 _UNITS: dict[str, int] = {

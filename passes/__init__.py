@@ -19,9 +19,11 @@ from .context import PassContext
 from .insert_redistribute import insert_redistribute_pass
 from .localize_shapes import localize_shapes_pass
 from .lower_collectives import lower_collectives_pass
+from .recompute import recompute_pass
 
 PIPELINE = (
     ("apply_plan", apply_plan_pass),                    # plan -> node.meta specs
+    ("recompute", recompute_pass),                      # recomputed layers' forward ops copied into backward
     ("insert_redistribute", insert_redistribute_pass),  # abstract redistribute at every mismatch
     ("lower_collectives", lower_collectives_pass),      # redistribute -> functional collectives
     ("bucket_collectives", bucket_collectives_pass),    # gradient (and ZeRO-1/2 gather) collectives -> 25 MB buckets
@@ -72,4 +74,4 @@ def _dump(folder: str, fname: str, gm: fx.GraphModule) -> None:
 
 
 __all__ = ["PIPELINE", "PassContext", "run_passes", "describe", "emitted_collectives", "apply_plan_pass", "insert_redistribute_pass",
-           "lower_collectives_pass", "bucket_collectives_pass", "localize_shapes_pass"]
+           "lower_collectives_pass", "bucket_collectives_pass", "localize_shapes_pass", "recompute_pass"]

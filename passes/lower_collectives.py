@@ -9,8 +9,15 @@ Per axis of size n, with this rank at coordinate c:
 Collectives work on dim 0: along a dim d != 0, one permute-copy moves the n pieces between dim 0
 and their place (after a gather, before a reduce-scatter). Inputs are copied only when not dense. Every
 collective's wait node carries meta["autopar_collective"] = (kind, axis, phase, reason).
+MoE grouped matmuls (autopar/rules/moe.py) split by rows get this rank's offsets; expert-parallel ones
+are lowered to dispatch all_to_all -> local grouped matmul (-> combine all_to_all), split sizes from
+`offs` at run time.
+Under a mixed-precision plan whose reduce_dtype is narrower than a gradient's dtype, the gradient is
+cast to it before its collectives and back after them (`_reduce_dtype`), as the plan priced.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -18,6 +25,7 @@ import torch.fx as fx
 from autopar.placement import R, is_partial, is_shard, local_shape
 from autopar.debug import log
 from autopar.reshard import transitions
+from autopar.rules import moe
 
 from .context import PassContext
 from .ops import contiguous, dense_in_order, redistribute
@@ -124,6 +132,20 @@ def _restore_layout(em: _Emitter, y: fx.Node, val: torch.Tensor) -> fx.Node:
     return em.call(dense_in_order, y, order)
 
 
+def _reduce_dtype(ctx: PassContext, node: fx.Node, steps) -> torch.dtype | None:
+    """The dtype a gradient's collectives move when the plan's mixed precision asks for a narrower one
+    than the gradient's (`reduce_dtype`, autopar.precision; the cost model prices the same bytes);
+    None: move the value as it is."""
+    policy = getattr(ctx.plan, "mixed_precision", None)
+    if not policy or not node.meta.get("autopar_reason", "").startswith("gradient"):
+        return None
+    wire, have = getattr(torch, policy["reduce_dtype"]), node.meta["val"].dtype
+    if not have.is_floating_point or wire.itemsize >= have.itemsize:
+        return None
+    moves = any((is_partial(frm) or is_shard(frm)) and ctx.axis_sizes[axis] > 1 for axis, frm, _ in steps)
+    return wire if moves else None  # R -> S (a slice) or R -> P moves nothing: no casts
+
+
 def _lower_one(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> None:
     x, src, dst = node.args[0], node.meta["autopar_src"], node.meta["autopar_outs"][0]
     info = dict(phase=node.meta.get("phase", "forward"), reason=node.meta.get("autopar_reason", ""),
@@ -131,11 +153,15 @@ def _lower_one(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> None:
     em = _Emitter(gm, node, ctx, info)
     gshape = tuple(node.meta["val"].shape)
     current = list(src)
-    y = x
-    for axis, frm, to in transitions(tuple(src), tuple(dst)):
+    steps = transitions(tuple(src), tuple(dst))
+    wire = _reduce_dtype(ctx, node, steps)
+    y = x if wire is None else em.call_kw(aten._to_copy.default, (x,), {"dtype": wire})
+    for axis, frm, to in steps:
         lshape = local_shape(tuple(current), gshape, ctx.axis_sizes)
         y = _axis(em, y, frm, to, axis, lshape)
         current[axis] = to
+    if wire is not None:  # back to the parameter's dtype (fp32) for the optimizer
+        y = em.call_kw(aten._to_copy.default, (y,), {"dtype": node.meta["val"].dtype})
     if y is not x:  # permutes and slices leave strides the graph's later views never saw
         y = _restore_layout(em, y, node.meta["val"])
     y.meta["autopar_outs"] = (tuple(dst),)
@@ -145,12 +171,65 @@ def _lower_one(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> None:
 
 
 def lower_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """No redistribute node survives; each became functional collectives (+ waits) or local ops."""
+    """No redistribute node survives; each became functional collectives (+ waits) or local ops.
+    Grouped matmuls split by rows get this rank's offsets, and expert-parallel ones their dispatch."""
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is redistribute:
             _lower_one(gm, node, ctx)
+        elif node.op == "call_function" and node.target in (moe.GROUPED_MM, moe.GROUPED_MM_WGRAD):
+            _lower_grouped(gm, node, ctx)
     gm.graph.lint()
     gm.recompile()
     return gm
 
 
+
+
+# ---------------------------------------------------------------- grouped matmuls (MoE experts)
+
+def _nested_range(spec, size: int, dim_coords, ctx: PassContext) -> tuple[int, int]:
+    """[lo, hi) of dim 0 that a Shard(0) on several axes (nested in axis order) leaves this rank."""
+    lo = 0
+    for axis, p in enumerate(spec):
+        if is_shard(p, 0):
+            size //= ctx.axis_sizes[axis]
+            lo += dim_coords[axis] * size
+    return lo, lo + size
+
+
+def _lower_grouped(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> None:
+    """Rows split (x Shard(0)): offsets relative to this rank's rows. Expert parallel (experts split
+    too): all_to_all the rows to the ranks holding their experts, and back (autopar/rules/moe.py)."""
+    ins, outs = node.meta["autopar_ins"], node.meta["autopar_outs"]
+    if not any(is_shard(p, 0) for p in ins[0]):
+        return
+    rows = node.all_input_nodes[0].meta["val"].shape[0]
+    experts_spec = ins[1] if node.target is moe.GROUPED_MM else outs[0]
+    experts = node.args[2].meta["val"].shape[0]
+    axes = moe.ep_axes(node.target, ins, outs)
+    if len(axes) > 1:
+        raise NotImplementedError("expert parallelism on more than one mesh axis is not lowered yet")
+    info = dict(phase=node.meta.get("phase", "forward"), reason=f"expert dispatch for {node.name}", source=node.name)
+    em = _Emitter(gm, node, ctx, info)
+    if not axes:
+        lo, hi = _nested_range(ins[0], rows, ctx.coords, ctx)
+        node.args = (*node.args[:2], em.call(moe.local_offsets, node.args[2], lo, hi, 0, experts))
+        return
+    axis = axes[0]
+    members = []
+    for q in range(ctx.axis_sizes[axis]):
+        coords = [*ctx.coords[:axis], q, *ctx.coords[axis + 1:]]
+        members.append((_nested_range(ins[0], rows, coords, ctx), _nested_range(experts_spec, experts, coords, ctx)))
+    plan = em.call(moe.ep_dispatch, node.args[2], members, ctx.coords[axis])
+    send, recv, offs = (em.call(operator.getitem, plan, i) for i in range(3))
+    group = ctx.group_names[axis]
+    moved = [em.collective("all_to_all", axis, c10d.all_to_all_single.default, em.call(contiguous, a), recv, send, group)
+             for a in node.args[:1 if node.target is moe.GROUPED_MM else 2]]
+    if node.target is moe.GROUPED_MM:
+        y = em.call(node.target, moved[0], node.args[1], offs)
+        y = em.collective("all_to_all", axis, c10d.all_to_all_single.default, y, send, recv, group)
+    else:
+        y = em.call(node.target, moved[0], moved[1], offs)
+    y.meta.update(val=node.meta["val"], autopar_outs=outs)
+    node.replace_all_uses_with(y)
+    gm.graph.erase_node(node)

@@ -383,14 +383,28 @@ def tiny_vit(batch: int = 4, image: int = 16) -> Case:
     return Case(transformers.ViTForImageClassification(cfg), (pixels,), {"labels": labels})
 
 
-def tiny_mixtral(batch: int = 4, seq: int = 16, experts_implementation: str = "batched_mm") -> Case:
-    """Mixtral: 4 experts, top-2 routing, GQA. transformers' experts implementations: "eager" loops over
-    the experts hit (data-dependent), "grouped_mm" uses a custom autograd.Function; "batched_mm" gathers
-    each token's expert weights and runs one bmm, which captures."""
+def tiny_mixtral(batch: int = 4, seq: int = 16, experts_implementation: str = "grouped_mm") -> Case:
+    """Mixtral: 4 experts, top-2 routing, GQA. transformers' experts implementations: "grouped_mm" sorts
+    the token-expert rows and runs one grouped matmul (autopar captures it, autopar/rules/moe.py);
+    "eager" loops over the experts hit (data-dependent); "batched_mm" gathers each token's expert weights."""
     return _zoo_lm("MixtralForCausalLM", "MixtralConfig", batch, seq, hidden_size=64, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, head_dim=16,
                    num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64, sliding_window=None,
                    experts_implementation=experts_implementation)
+
+
+def meta_mixtral(num_layers: int = 2, batch: int = 1, seq: int = 4096) -> Case:
+    """Mixtral-8x7B dimensions (hidden 4096, 8 experts of MLP 14336, top-2, 32 heads, 8 kv heads,
+    vocab 32000) with few layers, on the meta device."""
+    import transformers
+    cfg = transformers.MixtralConfig(hidden_size=4096, num_hidden_layers=num_layers, num_attention_heads=32,
+                                     num_key_value_heads=8, intermediate_size=14336, num_local_experts=8,
+                                     num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=seq,
+                                     sliding_window=None, experts_implementation="grouped_mm")
+    with torch.device("meta"):
+        model = transformers.MixtralForCausalLM(cfg)
+    ids = _tokens(32000, batch, seq, device="meta")
+    return Case(model, (ids,), {"labels": ids})
 
 
 ZOO_CASES = {"mistral": tiny_mistral, "qwen2": tiny_qwen2, "gemma": tiny_gemma, "gemma2": tiny_gemma2,
@@ -398,7 +412,7 @@ ZOO_CASES = {"mistral": tiny_mistral, "qwen2": tiny_qwen2, "gemma": tiny_gemma, 
              "falcon": tiny_falcon, "bloom": tiny_bloom, "t5": tiny_t5, "bart": tiny_bart, "vit": tiny_vit,
              "mixtral": tiny_mixtral,
              "mixtral_eager": lambda: tiny_mixtral(experts_implementation="eager"),
-             "mixtral_grouped_mm": lambda: tiny_mixtral(experts_implementation="grouped_mm")}
+             "mixtral_batched_mm": lambda: tiny_mixtral(experts_implementation="batched_mm")}
 
 
 def zoo_batches(case: Case, steps: int = 3) -> list:

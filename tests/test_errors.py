@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import autopar
-from autopar.errors import HardwareError, InfeasiblePlanError, InputError, NoLossError, TraceError
+from autopar.errors import DeviceError, HardwareError, InfeasiblePlanError, InputError, NoLossError, TraceError
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +42,10 @@ CASES = {
                              r"no plan fits the memory budget .*the smallest plan needs"),
     "unknown hardware preset": (lambda m, ids: autopar.Mesh((2,), hardware="tpu9"), HardwareError,
                                 r"unknown hardware 'tpu9': use a preset name \(cpu, a100, h100, h200\)"),
-    "unsupported option": (lambda m, ids: _plan(m, (ids, ids), num_stages=2), InputError,
-                           r"unsupported option num_stages=2"),
+    "schedule without stages": (lambda m, ids: _plan(m, (ids, ids), schedule="gpipe"), InputError,
+                                r"schedule='gpipe' applies to pipelined plans only: pass num_stages=2"),
+    "unsupported option": (lambda m, ids: _plan(m, (ids, ids), pipelines=2), InputError,
+                           r"unsupported option pipelines=2"),
 }
 
 
@@ -132,3 +134,38 @@ def test_runtime_mistakes_inside_a_job():
     assert "the mesh has 2 devices" in out["mesh"] and "this job has 1 ranks" in out["mesh"]
     assert "has shape (2, 16) but the plan was made for (4, 16)" in out["shape"]
     assert "re-plan for the new shape" in out["shape"]
+
+
+def test_cuda_requested_but_absent(gpt, monkeypatch):
+    """Refused before any process group is made, naming the cause and the way out (CUDA hidden here so
+    the test means the same on a GPU machine)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceError, match=r"device='cuda' was requested but torch.cuda.is_available\(\) is False"
+                                          r".*use device='cpu' \(gloo\)"):
+        autopar.autoparallelize(*gpt[:1], (gpt[1], gpt[1]), device="cuda", baselines=False)
+    with pytest.raises(InputError, match=r"device='tpu': use 'cpu' \(gloo\), 'cuda' \(NCCL\)"):
+        autopar.autoparallelize(*gpt[:1], (gpt[1], gpt[1]), device="tpu", baselines=False)
+    assert not torch.distributed.is_initialized()
+
+
+def _planning_failures(rank, world):
+    """Errors found while rank 0 plans reach every rank (before the fix, rank 1 waited forever)."""
+    from examples.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    ids = torch.randint(0, 64, (3, 16))
+    out = {}
+    for label, kw in (("batch", dict(strategy="zero3")), ("budget", dict(memory_budget="10kB"))):
+        try:
+            autopar.autoparallelize(model, (ids, ids), baselines=False, **kw)
+        except autopar.errors.AutoparError as e:
+            out[label] = (type(e).__name__, str(e), getattr(e, "min_memory_per_device", None))
+    return out
+
+
+def test_a_planning_error_on_rank_0_is_raised_on_every_rank():
+    from dist_utils import run_distributed
+    results = run_distributed(_planning_failures, 2, timeout=300)
+    assert results[0] == results[1]
+    assert results[1]["batch"][0] == "InputError" and "batch (3) does not divide" in results[1]["batch"][1]
+    assert results[1]["budget"][0] == "InfeasiblePlanError" and results[1]["budget"][2] > 10_000

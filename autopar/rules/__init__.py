@@ -103,6 +103,23 @@ def register(*ops):
     return deco
 
 
+# Ops whose strategies run collectives inside the op (expert dispatch): target -> fn(node, NodeStrategy,
+# axis_sizes) -> list of autopar.reshard.Step. The cost model adds their time to the op's strategy and
+# the plan lists them; passes/lower_collectives.py emits them.
+IN_OP_COLLECTIVES: dict[Any, Callable] = {}
+
+
+def register_in_op_collectives(ops, fn: Callable) -> None:
+    for op in ops:
+        IN_OP_COLLECTIVES[op] = fn
+
+
+def in_op_collectives(node: fx.Node, strategy, axis_sizes: tuple) -> list:
+    """The collectives (reshard Steps) node runs inside itself under `strategy`; usually none."""
+    fn = IN_OP_COLLECTIVES.get(getattr(node, "target", None))
+    return fn(node, strategy, tuple(axis_sizes)) if fn is not None else []
+
+
 def find_rule(target) -> Rule | None:
     if isinstance(target, str):  # a get_attr constant, not an op
         from autopar.rules.misc import constant_rule
@@ -123,4 +140,4 @@ def normalize_dim(d: int, ndim: int) -> int:
 
 
 # Importing the families registers their rules.
-from autopar.rules import pointwise, matmul, shape, reduction, nn, creation, conv, misc  # noqa: E402,F401
+from autopar.rules import pointwise, matmul, shape, reduction, nn, creation, conv, misc, moe  # noqa: E402,F401

@@ -1,0 +1,166 @@
+"""Forced pipelined plans: `plan(..., num_stages=p)` -> a Plan whose mesh has a leading "pp" axis.
+
+Steps (`plan_pipelined_captured`, after the micro-batch graph is captured):
+  1. the mesh: a 1-D mesh of N devices becomes Mesh((p, N // p), ("pp", <its axis>)) on the same
+     hardware; a mesh with a "pp" axis (first) is used as is; the sub-mesh is every other axis;
+  2. the SPMD planner on the MICRO-BATCH graph (inputs split along dim 0 into m micro-batches) and
+     the sub-mesh: one strategy per op, shared by every stage;
+  3. per-unit costs of that solution (`autopar.layer_profile`: "<pre>", each layer of the stack,
+     "<post>") and the exact contiguous split into p stages (`autopar.stages.partition`) for the
+     schedule and the memory budget;
+  4. the Plan: every spec widened with "R" on the pp axis, one StagePlan per stage (its units, its
+     global ranks, time per micro-batch, memory), the schedule's step time.
+
+Defaults: schedule "1f1b"; num_microbatches = num_stages (the least that keeps every stage busy in
+the steady state; more micro-batches shrink the bubble (p-1)/(m+p-1) but each is smaller).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from autopar import planner
+from autopar.costing import ProblemBuilder
+from autopar.costmodel.memory import parse_bytes
+from autopar.errors import InputError, MeshError
+from autopar.mesh import Mesh
+from autopar.plan import ParamPlacement, NodeChoice, Plan, StagePlan
+
+PP = "pp"
+SCHEDULES = ("gpipe", "1f1b")
+DEFAULT_SCHEDULE = "1f1b"
+
+
+def pipeline_mesh(mesh: Mesh, num_stages: int | None) -> Mesh:
+    """The mesh of a pipelined plan: "pp" first. A mesh with a "pp" axis is used as is."""
+    if PP in mesh.axis_names:
+        if mesh.axis_names[0] != PP:
+            raise MeshError(f"the pipeline axis 'pp' must be the first axis of the mesh, got {mesh}")
+        if num_stages not in (None, mesh.shape[0]):
+            raise MeshError(f"num_stages={num_stages} but the mesh's pp axis has {mesh.shape[0]} devices")
+        return mesh if mesh.ndim > 1 else Mesh((mesh.shape[0], 1), (PP, "dp"), mesh.hardware, mesh.devices_per_node)
+    if not isinstance(num_stages, int) or num_stages < 2:
+        raise InputError(f"num_stages must be an int >= 2 for a pipelined plan, got {num_stages!r}")
+    if mesh.ndim != 1:
+        raise MeshError(f"num_stages={num_stages} widens a 1-D mesh; {mesh} has {mesh.ndim} axes: "
+                        "name one of them 'pp' (first) instead")
+    if mesh.size % num_stages:
+        raise MeshError(f"{mesh.size} devices do not split into {num_stages} pipeline stages")
+    return Mesh((num_stages, mesh.size // num_stages), (PP, mesh.axis_names[0]), mesh.hardware,
+                mesh.devices_per_node)
+
+
+def sub_mesh(mesh: Mesh) -> Mesh:
+    """The mesh of one stage: every axis but "pp" (the SPMD planner's mesh)."""
+    return Mesh(mesh.shape[1:], mesh.axis_names[1:], mesh.hardware, mesh.devices_per_node)
+
+
+def resolve(num_stages, num_microbatches, schedule) -> tuple[int, str]:
+    """(micro-batch count, schedule name) with the documented defaults; refuses unknown schedules."""
+    schedule = DEFAULT_SCHEDULE if schedule is None else schedule
+    if schedule not in SCHEDULES:
+        raise InputError(f"schedule={schedule!r}: one of {SCHEDULES}")
+    m = num_stages if num_microbatches is None else num_microbatches
+    if not isinstance(m, int) or m < 1:
+        raise InputError(f"num_microbatches must be a positive int, got {m!r}")
+    return m, schedule
+
+
+def microbatch(example_inputs: tuple, m: int) -> tuple:
+    """The first of m equal micro-batches: every tensor split along dim 0 (a trailing dict too)."""
+    def cut(x):
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            return x
+        if x.shape[0] % m:
+            raise InputError(f"the batch dimension ({x.shape[0]}) of an input of shape {tuple(x.shape)} does not "
+                             f"divide into {m} micro-batches; use a batch that is a multiple of {m}")
+        return x.narrow(0, 0, x.shape[0] // m)
+    return tuple({k: cut(v) for k, v in x.items()} if isinstance(x, dict) else cut(x) for x in example_inputs)
+
+
+def plan_pipelined(model, example_inputs, *, mesh, num_stages=None, num_microbatches=None, schedule=None,
+                   example_kwargs=None, loss_fn=None, **kw) -> Plan:
+    """`autopar.plan` for a forced pipeline: capture the micro-batch graph, then plan it."""
+    from autopar.canonicalize import canonicalize
+    from autopar.capture import capture
+    mesh = pipeline_mesh(mesh if isinstance(mesh, Mesh) else Mesh(mesh), num_stages)
+    m, schedule = resolve(mesh.shape[0], num_microbatches, schedule)
+    micro = microbatch(tuple(example_inputs), m)
+    micro_kwargs = microbatch((example_kwargs,), m)[0] if example_kwargs else example_kwargs
+    captured = capture(model, micro, example_kwargs=micro_kwargs, loss_fn=loss_fn)
+    canonicalize(captured.gm)
+    return plan_pipelined_captured(captured, model, micro, mesh=mesh, num_microbatches=m, schedule=schedule, **kw)
+
+
+def plan_pipelined_captured(captured, model, micro_inputs, *, mesh: Mesh, num_microbatches: int, schedule: str,
+                            strategy="auto", memory_budget=None, optimizer: str = "adamw", time_limit=None,
+                            baselines: bool = False, timer=None) -> Plan:
+    """A pipelined Plan for the captured MICRO-BATCH graph on `mesh` (axis 0 "pp"). The search
+    (autopar.pipeline_search) calls this once it has chosen p, m and the schedule."""
+    from autopar.layer_profile import layer_costs
+    from autopar.stages import partition
+    assert mesh.axis_names[0] == PP, mesh
+    sub = sub_mesh(mesh)
+    budget = parse_bytes(memory_budget) if memory_budget is not None else None
+    wanted = planner.recipes.normalize(strategy, sub)
+    planner._check_batch_divides(wanted, sub, micro_inputs)
+    time_limit = planner.DEFAULT_TIME_LIMIT if time_limit is None else time_limit
+    timer = timer if timer is not None else planner._Timer()
+    with timer("strategies+costs"):   # one stage's SPMD problem on the sub-mesh
+        prob = ProblemBuilder(captured, sub, optimizer).build()
+    with timer("baselines"):
+        table, solutions = planner._baselines(prob, captured, sub, time_limit) if baselines else ({}, {})
+    with timer("solve"):              # per-op strategies (no memory row: the stage split enforces the budget)
+        sol, reason = planner._solve_requested(prob, captured, sub, wanted, solutions, time_limit)
+    spmd = planner._assemble(prob, captured, sub, strategy, wanted, None, sol, reason, table, timer, model,
+                             micro_inputs)
+    with timer("stages"):             # exact contiguous split of the units into p stages
+        layers = layer_costs(prob, sol.choice, captured)
+        p2p = lambda nbytes: mesh.collective_time("send_recv", nbytes, PP)  # noqa: E731
+        split = partition(layers, mesh.shape[0], num_microbatches, schedule, p2p_time=p2p, memory_budget=budget)
+    return widen(spmd, mesh, layers, split, num_microbatches, schedule, budget, captured)
+
+
+def widen(spmd: Plan, mesh: Mesh, layers, split, m: int, schedule: str, budget, captured) -> Plan:
+    """The SPMD plan of one stage -> the pipelined plan: "R" on the pp axis everywhere, stages, step time."""
+    p, per_stage = mesh.shape[0], int(np.prod(mesh.shape[1:]))
+    bounds = list(split.bounds) + [len(layers)]
+    stages = tuple(StagePlan(index=k, modules=tuple(l.name for l in layers[bounds[k]:bounds[k + 1]]),
+                             ranks=tuple(range(k * per_stage, (k + 1) * per_stage)),
+                             predicted_time=float(split.stage_times[k]), memory=float(split.stage_memory[k]))
+                   for k in range(p))
+    R = ("R",)
+    params = {n: ParamPlacement(v.name, v.shape, R + tuple(v.use), R + tuple(v.master), R + tuple(v.grad),
+                                ("dp",) + tuple(v.modes)) for n, v in spmd.params.items()}
+    nodes = {n: NodeChoice(tuple(None if o is None else R + tuple(o) for o in v.outs),
+                           tuple(None if i is None else R + tuple(i) for i in v.ins), v.module, v.phase)
+             for n, v in spmd.nodes.items()}
+    fullest = int(np.argmax(split.stage_memory))
+    share = sum(l.state_bytes for l in layers[bounds[fullest]:bounds[fullest + 1]]) / max(
+        sum(l.state_bytes for l in layers), 1.0)
+    state = {k: v * share for k, v in spmd.memory_breakdown.items() if k != "activations"}
+    breakdown = {**state, "activations": max(0.0, float(split.stage_memory[fullest]) - sum(state.values()))}
+    busy = m * float(max(split.stage_times))  # the slowest stage's work; the rest of the step is bubble
+    compute_share = spmd.predicted_compute_time / max(spmd.predicted_step_time, 1e-30)
+    reason = spmd.infeasible_reason or ("" if budget is None or max(split.stage_memory) <= budget else
+                                        "the fullest stage exceeds the memory budget")
+    return dataclasses.replace(
+        spmd, mesh=mesh, recipes=(PP,) + tuple(spmd.recipes), params=params, nodes=nodes, stages=stages,
+        schedule=schedule, num_microbatches=m, predicted_step_time=float(split.step_time),
+        predicted_compute_time=busy * compute_share, predicted_comm_time=busy * (1 - compute_share),
+        memory_per_device=float(max(split.stage_memory)), memory_breakdown=breakdown, memory_budget=budget,
+        feasible=not reason, infeasible_reason=reason, fingerprint=planner.fingerprint(captured, mesh),
+        solver={**spmd.solver, "bubble_fraction": float(split.bubble_fraction)})
+
+
+def stage_plan(plan: Plan) -> Plan:
+    """The pipelined plan as the SPMD plan of one stage (the pp axis dropped): what the passes read."""
+    params = {n: ParamPlacement(v.name, v.shape, v.use[1:], v.master[1:], v.grad[1:], v.modes[1:])
+              for n, v in plan.params.items()}
+    nodes = {n: NodeChoice(tuple(None if o is None else tuple(o[1:]) for o in v.outs),
+                           tuple(None if i is None else tuple(i[1:]) for i in v.ins), v.module, v.phase)
+             for n, v in plan.nodes.items()}
+    return dataclasses.replace(plan, mesh=sub_mesh(plan.mesh), recipes=plan.recipes[1:], params=params,
+                               nodes=nodes, stages=(), schedule=None, num_microbatches=1)

@@ -1,0 +1,285 @@
+"""The pipelined program: `autoparallelize(..., num_stages=p)` -> a PipelinedModule on this rank.
+
+Every rank captures the MICRO-BATCH graph, rewrites it with the SPMD passes for its coordinates on the
+sub-mesh (every axis but "pp"), and cuts it into stage programs (`passes/split_stages.py`). It keeps
+its own stage: its parameters (DTensors on the sub-mesh, nowhere else) and a `_StageModule` whose
+forward is an autograd.Function running the stage's forward program (saving what its backward reads)
+and whose backward runs the backward program (boundary gradients in, input-activation and parameter
+gradients out). torch.distributed.pipelining's PipelineStage and ScheduleGPipe / Schedule1F1B run
+the micro-batches. A parameter used by several stages (a tied embedding) lives on each and its
+gradient is all-reduced between them after the schedule (Megatron's embedding group).
+
+`train_step(*inputs)` returns the mean loss over the micro-batches (the full-batch loss for a mean
+loss) on every rank and leaves gradients, averaged over micro-batches, in p.grad for
+optimizer.step(). Calling the module (`pmodel(*inputs)`) is a forward-only evaluation: the loss, no
+gradients. The model must hold real tensors (a meta-device model is not materialised here yet).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import distribute_tensor
+
+from autopar import pipeline_plan as pp
+from autopar.canonicalize import canonicalize
+from autopar.capture import capture
+from autopar.errors import InputError
+from autopar.materialize import is_meta
+from autopar.mesh import Mesh
+from autopar.passes import PassContext, run_passes
+from autopar.passes.context import parse_spec
+from autopar.passes.split_stages import StageProgram, split_stages
+from autopar.plan import Plan
+from autopar.planner import fingerprint
+from autopar.runtime import _distinct, _local_slice, _set
+
+SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def autoparallelize_pipelined(model: nn.Module, example_inputs: tuple, *, mesh: Mesh, plan: Plan | None,
+                              num_stages=None, num_microbatches=None, schedule=None, example_kwargs=None,
+                              loss_fn=None, verify: bool = False, device_type: str = "cpu", device: str = "cpu",
+                              broadcast=None, mixed_precision=None, recompute=None, **plan_kw) -> "PipelinedModule":
+    """The pipelined branch of `autopar.autoparallelize` (called with the resolved mesh of the world)."""
+    if mixed_precision is not None or recompute not in (None, "none"):
+        raise InputError("mixed_precision and recompute are not supported with pipelined plans yet")
+    if is_meta(model):
+        raise InputError("a pipelined plan needs a model with real tensors (meta-device models are not "
+                         "materialised per stage yet)")
+    if plan is not None and num_stages is None:
+        num_stages = plan.mesh.shape[0]
+    mesh = plan.mesh if plan is not None else pp.pipeline_mesh(mesh, num_stages)
+    m, schedule = pp.resolve(mesh.shape[0], num_microbatches or (plan.num_microbatches if plan else None),
+                             schedule or (plan.schedule if plan else None))
+    micro = pp.microbatch(tuple(example_inputs), m)
+    micro_kwargs = pp.microbatch((example_kwargs,), m)[0] if example_kwargs else example_kwargs
+    captured = capture(model, micro, example_kwargs=micro_kwargs, loss_fn=loss_fn)
+    canonicalize(captured.gm)
+    if plan is None:
+        plan = broadcast(lambda: pp.plan_pipelined_captured(captured, model, micro, mesh=mesh, num_microbatches=m,
+                                                            schedule=schedule, **plan_kw))
+    plan.check_matches(fingerprint(captured, mesh), mesh)
+    device_mesh = init_device_mesh(device_type, tuple(mesh.shape), mesh_dim_names=tuple(mesh.axis_names))
+    sub_dm = device_mesh[tuple(mesh.axis_names[1:])]
+    coords = tuple(device_mesh.get_coordinate())
+    stage_plan = pp.stage_plan(plan)
+    ctx = PassContext(stage_plan, tuple(mesh.shape[1:]), coords=coords[1:],
+                      group_names=tuple(sub_dm.get_group(a).group_name for a in range(mesh.ndim - 1)),
+                      grad_names=tuple(captured.grad_param_names), device=device,
+                      disabled=frozenset({"bucket_collectives"}))  # a bucket must not mix two stages' grads
+    gm = run_passes(captured.gm, ctx, verify=verify)
+    units = [list(s.modules) for s in plan.stages]
+    programs = split_stages(gm, units, [u for s in units for u in s], list(captured.grad_param_names))
+    return PipelinedModule(model, captured, plan, programs, device_mesh, sub_dm, coords, stage_plan, device)
+
+
+class _StageFn(torch.autograd.Function):
+    """One stage on one micro-batch: the forward program now, the backward program in backward."""
+
+    @staticmethod
+    def forward(fctx, stage, num_params, *args):
+        prog = stage.program
+        env = stage.state_env(args[:num_params])
+        env.update({("input", n): x for n, x in zip(prog.inputs, args[num_params:])})
+        with torch.no_grad():
+            outs = prog.forward(*[env[k] for k in prog.forward_args])
+        n_out = 1 if stage.is_last else len(prog.outputs)
+        fctx.stage, fctx.locals, fctx.num_inputs = stage, args[:num_params], len(args) - num_params
+        fctx.saved = outs[n_out:]
+        results = [o.detach().clone() if any(o is a for a in args) else o for o in outs[:n_out]]
+        fctx.like = results
+        names = ["<loss>"] if stage.is_last else prog.outputs
+        fctx.mark_non_differentiable(*[r for r, n in zip(results, names)
+                                       if n != "<loss>" and not prog.differentiable[n]])
+        return results[0] if stage.is_last else tuple(results)
+
+    @staticmethod
+    def backward(fctx, *grads):
+        stage = fctx.stage
+        prog = stage.program
+        env = stage.state_env(fctx.locals)
+        env.update({("saved", i): v for i, v in enumerate(fctx.saved)})
+        if not stage.is_last:
+            for name, g, like in zip(prog.outputs, grads, fctx.like):
+                env[("grad", name)] = torch.zeros_like(like) if g is None else g
+        outs = prog.backward(*[env[k] for k in prog.backward_args])
+        scale = grads[0] if stage.is_last and not _is_one(grads[0]) else None
+        outs = [o if o is None or scale is None else o * scale for o in outs]
+        by_param = dict(zip(prog.grad_params, outs))
+        by_input = dict(zip(prog.input_grads, outs[len(prog.grad_params):]))
+        param_grads = [by_param.get(n) for n in stage.param_names]
+        input_grads = [by_input.get(n) for n in prog.inputs]
+        fctx.saved = fctx.locals = None
+        return (None, None, *_distinct(param_grads), *input_grads)
+
+
+def _is_one(g) -> bool:
+    return g is None or (g.device.type == "cpu" and g.numel() == 1 and g.item() == 1.0)
+
+
+class _StageModule(nn.Module):
+    """What PipelineStage runs: forward(*boundary inputs) -> boundary outputs (the last stage: the loss)."""
+
+    def __init__(self, program: StageProgram, params: dict, buffers: dict, is_last: bool):
+        super().__init__()
+        self.program, self.is_last, self._is_last = program, is_last, is_last
+        self.param_names = [n for n in program.params if n in params]
+        for i, n in enumerate(self.param_names):
+            self.register_parameter(f"p{i}", params[n])
+        self._buffers_by_name = buffers
+
+    def state_env(self, locals_) -> dict:
+        env = {("param", n): t for n, t in zip(self.param_names, locals_)}
+        env.update({("buffer", n): b.to_local() for n, b in self._buffers_by_name.items()})
+        return env
+
+    def forward(self, *inputs):
+        locals_ = [getattr(self, f"p{i}").to_local() for i in range(len(self.param_names))]
+        return _StageFn.apply(self, len(locals_), *locals_, *inputs)
+
+
+class PipelinedModule(nn.Module):
+    """This rank's stage of a pipelined plan: `.train_step(*inputs) -> loss`, `pmodel(*inputs)` (eval),
+    `.plan`, `.full_state_dict()`. Only this stage's parameters are registered (optimizers see them)."""
+
+    def __init__(self, model, captured, plan: Plan, programs: list[StageProgram], device_mesh, sub_dm, coords,
+                 stage_plan: Plan, device: str):
+        super().__init__()
+        self.plan = plan
+        object.__setattr__(self, "device_mesh", device_mesh)
+        object.__setattr__(self, "sub_mesh", sub_dm)
+        self._stage_index, self._num_stages = coords[0], plan.mesh.shape[0]
+        self._per_stage = device_mesh.size() // self._num_stages
+        self._m, self._device, self._tied = plan.num_microbatches, torch.device(device), dict(captured.tied)
+        self._input_names = list(captured.input_names)
+        inputs = captured.placeholders("input")
+        self._input_specs = [parse_spec(stage_plan.nodes[n.name].outs[0]) for n in inputs]
+        self._input_shapes = [(int(n.meta["val"].shape[0]) * self._m, *n.meta["val"].shape[1:]) for n in inputs]
+        self._coords = coords[1:]
+        program = programs[self._stage_index]
+        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        params, buffers = {}, {}
+        for name in program.params:
+            spec = list(parse_spec(stage_plan.params[name].master))
+            dt = distribute_tensor(tensors[name].detach(), sub_dm, spec)
+            params[name] = nn.Parameter(dt, requires_grad=tensors[name].requires_grad)
+            _set(self, name, params[name], param=True)
+        buffer_specs = {n.meta["autopar_name"]: n.name for n in captured.placeholders("buffer")}
+        for name in program.buffers:
+            spec = list(parse_spec(stage_plan.nodes[buffer_specs[name]].outs[0]))
+            buffers[name] = distribute_tensor(tensors[name].detach(), sub_dm, spec)
+            _set(self, name, buffers[name], param=False)
+        object.__setattr__(self, "_stage", _StageModule(program, params, buffers,
+                                                        self._stage_index == self._num_stages - 1))
+        self._shared = _shared_groups(programs, self._stage_index, self._per_stage, coords[1:], sub_dm)
+        ins, outs = _examples(program, program.inputs, sub_dm, self._device), \
+            _examples(program, program.outputs, sub_dm, self._device)
+        if self._stage._is_last:
+            outs = (torch.empty((), device=self._device, requires_grad=True),)
+        pipe = PipelineStage(self._stage, self._stage_index, self._num_stages, self._device, input_args=ins,
+                             output_args=outs, group=device_mesh.get_group(0))
+        object.__setattr__(self, "_schedule", SCHEDULE_CLASSES[plan.schedule](pipe, self._m, loss_fn=_loss_is_output,
+                                                                              scale_grads=True))
+
+    # ------------------------------------------------------------------ running
+    def _stage_inputs(self, inputs: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """Stage 0's arguments: each input cut into micro-batches, this rank's slice of each, re-joined
+        along dim 0 (the schedule cuts them again into the same micro-batches)."""
+        inputs = tuple(inputs) + tuple(kwargs[n] for n in self._input_names[len(inputs):] if n in kwargs)
+        if len(inputs) != len(self._input_shapes):
+            raise InputError(f"expected {len(self._input_shapes)} inputs ({', '.join(self._input_names)}), "
+                             f"got {len(inputs)}")
+        out = []
+        for name, x, shape, spec in zip(self._input_names, inputs, self._input_shapes, self._input_specs):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(shape):
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise InputError(f"input {name!r} has shape {got} but the plan was made for {tuple(shape)} "
+                                 f"({self._m} micro-batches); re-plan for the new shape")
+            parts = [_local_slice(c, spec, self._coords, tuple(self.sub_mesh.shape)) for c in x.chunk(self._m)]
+            out.append(torch.cat(parts).contiguous().to(self._device))
+        return out
+
+    def _run(self, inputs: tuple, kwargs: dict, train: bool) -> torch.Tensor:
+        args = self._stage_inputs(inputs, kwargs) if self._stage_index == 0 else []
+        last = self._stage_index == self._num_stages - 1
+        losses: list = []
+        extra = dict(target=torch.zeros(self._m), losses=losses, return_outputs=False) if last else {}
+        (self._schedule.step if train else self._schedule.eval)(*args, **extra)
+        loss = torch.stack([x.detach() for x in losses]).mean() if last else torch.zeros(())
+        dist.broadcast(loss, src=(self._num_stages - 1) * self._per_stage)  # one source for the whole world
+        return loss
+
+    def train_step(self, *inputs, **kwargs) -> torch.Tensor:
+        """Forward and backward of every micro-batch: returns the mean loss (same on every rank);
+        gradients (micro-batch mean, shared parameters summed across their stages) are left in p.grad."""
+        loss = self._run(inputs, kwargs, train=True)
+        for name, group in self._shared:
+            grad = self.get_parameter(name).grad
+            if grad is not None:
+                dist.all_reduce(grad.to_local(), group=group)
+        return loss
+
+    def forward(self, *inputs, **kwargs) -> torch.Tensor:
+        """Forward-only evaluation of every micro-batch: the mean loss, no gradients."""
+        with torch.no_grad():
+            return self._run(inputs, kwargs, train=False)
+
+    # ------------------------------------------------------------------ state
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every stage's parameters and buffers, unsharded, under the model's names (tied names too)."""
+        mine = {}
+        for name, t in sorted([*self.named_parameters(), *self.named_buffers()]):
+            mine[name] = t.full_tensor().detach()
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        out = {}
+        for part in everyone:
+            out.update(part)
+        for name, aliases in self._tied.items():
+            for alias in aliases:
+                out[alias] = out[name]
+        return out
+
+
+def _examples(program: StageProgram, names: list[str], sub_dm, device) -> tuple:
+    """Empty tensors of the local shape and dtype of boundary values: PipelineStage's static metadata
+    (its dynamic inference runs a stage on uninitialised buffers, which index ops cannot take)."""
+    from autopar.placement import local_shape
+    out = []
+    for name in names:
+        shape, dtype, spec = program.values[name]
+        local = local_shape(spec, shape, tuple(sub_dm.shape)) if spec is not None else shape
+        t = torch.empty(local, dtype=dtype, device=device)
+        out.append(t.requires_grad_(True) if program.differentiable[name] else t)
+    return tuple(out)
+
+
+def _loss_is_output(output, target):
+    return output
+
+
+def _flat(coords, sub_dm) -> int:
+    index = 0
+    for c, n in zip(coords, sub_dm.shape):
+        index = index * n + c
+    return index
+
+
+def _shared_groups(programs, stage: int, per_stage: int, coords, sub_dm) -> list:
+    """(param, process group of its copies at this sub-mesh coordinate) for each parameter this stage
+    shares with other stages. Every rank creates every group, in the same order (new_group's rule)."""
+    owners: dict[str, list[int]] = {}
+    for prog in programs:
+        for name in prog.shared_params:
+            owners.setdefault(name, []).append(prog.index)
+    mine, index = [], _flat(coords, sub_dm)
+    for name in sorted(owners):
+        for j in range(per_stage):
+            group = dist.new_group([k * per_stage + j for k in owners[name]])
+            if j == index and stage in owners[name]:
+                mine.append((name, group))
+    return mine
+

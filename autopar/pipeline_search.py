@@ -1,0 +1,298 @@
+"""Search pipeline x data x tensor parallel meshes (3D parallelism) for the fastest plan that fits.
+
+For N devices the search enumerates every (pp, dp, tp) with pp*dp*tp = N and tp inside one node
+(`stages.mesh_factorizations`; the mesh is laid out (pp, dp, tp), tp innermost, so only pp or dp
+cross the slow inter-node link), every micro-batch count m dividing the batch (by default
+m in {pp, 2pp, 4pp}; m = 1 or gradient accumulation for pp = 1) with dp dividing the
+micro-batch, and every schedule. Each candidate is priced in three steps:
+  1. the micro-batch graph (inputs split along dim 0) is planned by the SPMD solver on the (dp, tp)
+     sub-mesh: layer stamping at capture, no baselines, identical layers solved once;
+  2. `layer_profile.layer_costs` turns that plan into per-unit seconds and bytes;
+  3. `stages.partition` splits the units into pp stages exactly for the schedule, under the budget.
+Steps 1-2 depend on (micro-batch size, dp, tp) only, not on pp or the schedule: they are cached and
+reused across every pp value, which is exact. If no split fits, the SPMD plan is re-solved with a
+memory row of pp * budget, then half of that (a stage then holds ~1/pp of the state), before the
+candidate is called infeasible; a row the looser plan already meets is not re-solved.
+Before any capture, a model whose parameters, gradients and optimizer state exceed the budget even
+sharded over all N devices is refused (InfeasiblePlanError with that floor).
+A forced `strategy` per sub-mesh axis turns the same machinery into the hand-written recipes
+(DP, ZeRO, Megatron TP, PP x DP, FSDP x TP x PP) that benchmarks/plan_quality.py compares against.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from autopar import recipes
+from autopar.canonicalize import canonicalize
+from autopar.capture import capture
+from autopar.costing import ProblemBuilder
+from autopar.costmodel.memory import format_bytes, optimizer_state_bytes_per_param, parse_bytes
+from autopar.errors import InfeasiblePlanError, InputError
+from autopar.layer_profile import layer_costs
+from autopar.mesh import Mesh
+from autopar.solver import solve
+from autopar.stages import SCHEDULES, LayerCost, StageSplit, mesh_factorizations, partition
+
+DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+INTERLEAVE = 2            # chunks per device for interleaved_1f1b
+INNER_TIGHTENING = (1.0, 0.5)   # inner SPMD memory rows tried, as fractions of pp * budget
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One priced point of the search: a (pp, dp, tp) mesh, micro-batch count and schedule."""
+    pp: int
+    dp: int
+    tp: int
+    num_microbatches: int
+    schedule: str                        # a stages.SCHEDULES name ("1f1b" with pp = 1: gradient accumulation)
+    feasible: bool
+    step_time: float | None              # seconds (None when infeasible)
+    memory_per_device: float             # fullest stage's bytes, or the least any split needs
+    split: StageSplit | None = None
+    stage_modules: tuple[tuple[str, ...], ...] = ()   # unit names per stage (chunk for interleaved)
+    inner_budget: float | None = None    # the SPMD memory row the profile was solved under
+    reason: str = ""
+
+    def as_dict(self) -> dict:
+        """A JSON-ready row (for Plan.baselines or a report)."""
+        return {"mesh": {"pp": self.pp, "dp": self.dp, "tp": self.tp}, "num_microbatches": self.num_microbatches,
+                "schedule": self.schedule, "feasible": self.feasible, "time": self.step_time,
+                "memory": self.memory_per_device, "bounds": list(self.split.bounds) if self.split else None,
+                "bubble": float(self.split.bubble_fraction) if self.split else None, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The best candidate, every candidate priced (fastest feasible first) and the best's inputs."""
+    best: Candidate
+    candidates: tuple[Candidate, ...]
+    mesh: Mesh                            # ("pp", then sub_mesh's axes): (pp, dp, tp) without size-1 dp/tp
+    sub_mesh: Mesh                        # the SPMD mesh of the micro-batch graph
+    layers: tuple[LayerCost, ...]         # the best candidate's unit profile
+    captured: object = field(default=None, repr=False)   # the best's micro-batch graph (Captured)
+    microbatch_inputs: tuple = field(default=(), repr=False)
+
+    def runners_up(self, k: int = 5) -> list[dict]:
+        return [c.as_dict() for c in self.candidates[1:k + 1]]
+
+    def baseline_table(self, k: int = 5) -> dict[str, dict]:
+        """The best k candidates in Plan.baselines' format: label -> {"feasible", "time", "memory", "reason"}."""
+        return {f"pp{c.pp} dp{c.dp} tp{c.tp} m{c.num_microbatches} {c.schedule}":
+                {"feasible": c.feasible, "time": c.step_time, "memory": c.memory_per_device, "reason": c.reason}
+                for c in self.candidates[:k]}
+
+
+def split_inputs(example_inputs, m: int):
+    """The first of m micro-batches: every tensor whose dim 0 is the batch, sliced along dim 0."""
+    batch = batch_size(example_inputs)
+    if batch % m:
+        raise InputError(f"{m} micro-batches do not divide the batch of {batch}")
+
+    def cut(x):
+        if isinstance(x, dict):
+            return {k: cut(v) for k, v in x.items()}
+        if isinstance(x, (tuple, list)):
+            return type(x)(cut(v) for v in x)
+        if hasattr(x, "shape") and getattr(x, "dim", lambda: 0)() > 0 and x.shape[0] == batch:
+            return x[: batch // m]
+        return x
+    return cut(tuple(example_inputs))
+
+
+def batch_size(example_inputs) -> int:
+    for x in example_inputs:
+        items = x.values() if isinstance(x, dict) else [x]
+        for t in items:
+            if hasattr(t, "shape") and t.dim() > 0:
+                return int(t.shape[0])
+    raise InputError("no tensor input with a batch dimension to split into micro-batches")
+
+
+def microbatch_counts(batch: int, pp: int, dp: int, requested=None) -> list[int]:
+    """Micro-batch counts to try: those requested, else {pp, 2pp, 4pp} (pp = 1: 1, 2, 4); each must
+    divide the batch with dp dividing the micro-batch."""
+    wanted = [requested] if isinstance(requested, int) else requested or [pp, 2 * pp, 4 * pp]
+    return sorted({m for m in wanted if m >= 1 and batch % m == 0 and (batch // m) % dp == 0})
+
+
+class Profiler:
+    """Captures (per micro-batch size) and unit profiles (per size, dp, tp, memory row), cached."""
+
+    def __init__(self, model, example_inputs, hardware, devices_per_node: int, optimizer: str = "adamw",
+                 loss_fn=None, time_limit: float | None = None):
+        self.model, self.inputs, self.loss_fn = model, example_inputs, loss_fn
+        self.hardware, self.dpn, self.optimizer, self.time_limit = hardware, devices_per_node, optimizer, time_limit
+        self.captures: dict[int, tuple] = {}
+        self.profiles: dict[tuple, tuple[LayerCost, ...] | InfeasiblePlanError] = {}
+
+    def captured(self, m: int):
+        if m not in self.captures:
+            inputs = split_inputs(self.inputs, m)
+            cap = capture(self.model, inputs, loss_fn=self.loss_fn, stamp_layers=True)
+            canonicalize(cap.gm)
+            self.captures[m] = (cap, inputs)
+        return self.captures[m]
+
+    def sub_mesh(self, dp: int, tp: int) -> Mesh:
+        axes = [(n, s) for n, s in (("dp", dp), ("tp", tp)) if s > 1] or [("dp", 1)]
+        return Mesh(tuple(s for _, s in axes), tuple(n for n, _ in axes), self.hardware, self.dpn)
+
+    def layers(self, m: int, dp: int, tp: int, budget: float | None, strategy=None) -> tuple[LayerCost, ...]:
+        """The unit profile of the micro-batch graph (batch / m) planned on the (dp, tp) sub-mesh with
+        `strategy` (None: auto; else {"dp": recipe, "tp": recipe} as in autopar.plan). Raises
+        InfeasiblePlanError when the SPMD plan cannot fit the memory row `budget`."""
+        inner = dp * tp if min(dp, tp) == 1 and strategy is None else (dp, tp)
+        key = (m, inner, budget, repr(sorted(strategy.items())) if strategy else None)
+        if key not in self.profiles:
+            cap, _ = self.captured(m)
+            mesh = self.sub_mesh(dp, tp)
+            allowed = None
+            if strategy:
+                wanted = recipes.normalize({a: r for a, r in strategy.items() if a in mesh.axis_names}, mesh)
+                allowed = recipes.restriction(cap.gm, wanted, tuple(mesh.shape))
+            prob = ProblemBuilder(cap, mesh, self.optimizer).build(allowed)
+            prob.cg.memory_budget = budget
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    sol = solve(prob.cg, dedup_layers=bool(prob.cg.layer_groups), cache=prob.solver_cache,
+                                time_limit=self.time_limit)
+                self.profiles[key] = tuple(layer_costs(prob, sol.choice, cap))
+            except InfeasiblePlanError as e:
+                self.profiles[key] = e
+        found = self.profiles[key]
+        if isinstance(found, InfeasiblePlanError):
+            raise found
+        return found
+
+
+def search(model, example_inputs, *, mesh: Mesh, memory_budget=None, schedules=DEFAULT_SCHEDULES,
+           num_microbatches=None, num_stages=None, optimizer: str = "adamw", loss_fn=None,
+           time_limit: float | None = None, meshes=None, strategy=None, profiler: Profiler | None = None
+           ) -> SearchResult:
+    """The fastest (pp, dp, tp, micro-batches, schedule) for `mesh.size` devices of `mesh.hardware`
+    under `memory_budget` bytes per device (int or "80GB"). `num_microbatches` / `num_stages` (an
+    int or a list) and `meshes` (a list of (pp, dp, tp)) restrict the search; `strategy` forces the
+    SPMD recipe per sub-mesh axis ({"dp": "zero3", "tp": "tp"}: hand-written 3D recipes); a
+    `profiler` from an earlier search of the same model and hardware reuses its captures and plans.
+    Raises InfeasiblePlanError with the least memory any candidate needs when none fits."""
+    for s in schedules:
+        if s not in SCHEDULES:
+            raise InputError(f"unknown pipeline schedule {s!r}; valid: {SCHEDULES}")
+    budget = parse_bytes(memory_budget) if memory_budget is not None else None
+    _check_state_fits(model, mesh.size, budget, optimizer)
+    prof = profiler or Profiler(model, example_inputs, mesh.hardware, mesh.devices_per_node, optimizer, loss_fn,
+                                time_limit)
+    batch = batch_size(example_inputs)
+    stages_wanted = [num_stages] if isinstance(num_stages, int) else num_stages
+    found: list[Candidate] = []
+    seen = set()
+    for pp, dp, tp in mesh_factorizations(mesh.size, mesh.devices_per_node):
+        # a 1-D sub-mesh is the same whichever name it carries (auto splits what it likes): price it once
+        inner = (pp, dp * tp) if min(dp, tp) == 1 and strategy is None else (pp, dp, tp)
+        if (stages_wanted and pp not in stages_wanted) or (meshes and (pp, dp, tp) not in meshes) or inner in seen:
+            continue
+        seen.add(inner)
+        for m in microbatch_counts(batch, pp, dp, num_microbatches):
+            names = schedules if pp > 1 else ("1f1b",)   # one stage: every schedule is accumulation
+            found.extend(_price(prof, pp, dp, tp, m, names, budget, strategy))
+    if not found:
+        raise InputError(f"no (pp, dp, tp, micro-batch) candidate for {mesh.size} devices and batch {batch}: "
+                         "the batch must divide into micro-batches that the data-parallel axis can split")
+    found.sort(key=lambda c: (not c.feasible, c.step_time if c.feasible else c.memory_per_device))
+    best = found[0]
+    if not best.feasible:
+        need = min(c.memory_per_device for c in found)
+        raise InfeasiblePlanError(
+            f"no pipeline x data x tensor parallel plan of {mesh.size} devices fits {format_bytes(budget)} per "
+            f"device; the least any needs is {format_bytes(need)}", min_memory_per_device=need, budget=budget)
+    cap, inputs = prof.captured(best.num_microbatches)
+    sub = prof.sub_mesh(best.dp, best.tp)
+    full = Mesh((best.pp, *sub.shape), ("pp", *sub.axis_names), mesh.hardware, mesh.devices_per_node)
+    return SearchResult(best, tuple(found), full, sub,
+                        prof.layers(best.num_microbatches, best.dp, best.tp, best.inner_budget, strategy), cap, inputs)
+
+
+def state_floor(model, world: int, optimizer: str = "adamw") -> float:
+    """Bytes per device of parameters + gradients + optimizer state sharded evenly over every device:
+    no plan of `world` devices needs less (activations come on top)."""
+    opt = optimizer_state_bytes_per_param(optimizer, torch.float32)
+    total = 0.0
+    for p in model.parameters():  # tied parameters are listed once
+        total += p.numel() * (p.element_size() + ((p.element_size() + opt) if p.requires_grad else 0.0))
+    return total / world
+
+
+def _check_state_fits(model, world: int, budget: float | None, optimizer: str) -> None:
+    """Fail fast (before any capture) when even fully sharded state exceeds the budget."""
+    floor = state_floor(model, world, optimizer)
+    if budget is not None and floor > budget:
+        raise InfeasiblePlanError(
+            f"the model's parameters, gradients and {optimizer} state need {format_bytes(floor)} per device even "
+            f"sharded over all {world} devices; the budget is {format_bytes(budget)}: use more devices",
+            min_memory_per_device=floor, budget=budget)
+
+
+def _price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, strategy=None) -> list[Candidate]:
+    """Candidates of one (pp, dp, tp, m) for each schedule: the loosest SPMD memory row whose split fits."""
+    full = Mesh((pp, dp, tp), ("pp", "dp", "tp"), prof.hardware, prof.dpn)
+    p2p = (lambda nbytes: full.collective_time("send_recv", nbytes, "pp")) if pp > 1 else (lambda nbytes: 0.0)
+    rows = [None] + ([pp * budget * f for f in INNER_TIGHTENING] if budget is not None else [])
+    out = []
+    for schedule in schedules:
+        v = INTERLEAVE if schedule == "interleaved_1f1b" else 1
+        if v > 1 and m % pp:
+            continue  # interleaving needs whole rounds of pp micro-batches
+        best, least, total = None, float("inf"), None
+        for row in rows:
+            if total is not None and row is not None and total <= row:
+                continue  # the looser plan already fits this row: a re-solve would return it again
+            try:
+                layers = prof.layers(m, dp, tp, row, strategy)
+            except InfeasiblePlanError as e:  # no SPMD plan fits this row: a tighter one cannot either
+                if pp == 1:  # one stage: the whole graph's memory is the device's
+                    least = min(least, e.min_memory_per_device or float("inf"))
+                break
+            total = sum(x.state_bytes + x.activation_bytes for x in layers)
+            if pp * v > len(layers):
+                break
+            try:
+                split = partition(layers, pp, m, schedule, p2p_time=p2p, memory_budget=budget, v=v)
+            except InfeasiblePlanError as e:
+                least = min(least, e.min_memory_per_device or float("inf"))
+                continue
+            best = Candidate(pp, dp, tp, m, schedule, True, split.step_time, max(split.stage_memory), split,
+                             _stage_modules(layers, split), row)
+            break
+        if best is None and least < float("inf"):
+            best = Candidate(pp, dp, tp, m, schedule, False, None, least,
+                             reason=f"needs {format_bytes(least)} per device")
+        if best is not None:
+            out.append(best)
+    return out
+
+
+def _stage_modules(layers, split: StageSplit) -> tuple[tuple[str, ...], ...]:
+    ends = list(split.bounds[1:]) + [len(layers)]
+    return tuple(tuple(x.name for x in layers[a:b]) for a, b in zip(split.bounds, ends))
+
+
+def to_plan(result: SearchResult, model, *, memory_budget=None, optimizer: str = "adamw", time_limit=None):
+    """The Plan of the search's best candidate: the SPMD plan when it has one stage and one
+    micro-batch, else `pipeline_plan.plan_pipelined_captured` on the (pp, ...) mesh."""
+    from autopar import pipeline_plan, planner
+    best = result.best
+    if best.pp == 1 and best.num_microbatches == 1:
+        return planner.plan_captured(result.captured, model, result.microbatch_inputs, mesh=result.sub_mesh,
+                                     memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
+                                     baselines=False)
+    if best.schedule not in pipeline_plan.SCHEDULES:
+        raise InputError(f"schedule {best.schedule!r} has no runtime yet (runtime schedules: "
+                         f"{pipeline_plan.SCHEDULES}); search with schedules={pipeline_plan.SCHEDULES}")
+    return pipeline_plan.plan_pipelined_captured(
+        result.captured, model, result.microbatch_inputs, mesh=result.mesh, num_microbatches=best.num_microbatches,
+        schedule=best.schedule, memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit)

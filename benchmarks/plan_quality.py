@@ -1,0 +1,140 @@
+"""Plan quality: autopar's predicted step time beside the best hand-written recipe, same cost model.
+
+    python benchmarks/plan_quality.py --quick                  # a few small rows
+    python benchmarks/plan_quality.py                          # every model x devices x budget
+    python benchmarks/plan_quality.py --model llama-70b --devices 64
+
+Models (meta device, no weights): GPT-2 124M / 350M / 1.5B (seq 1024) and Llama 7B / 13B / 70B
+(seq 4096), global batch = one sequence per device; H100s, 8 per node; budgets 80 GB and 40 GB.
+Hand recipes, each priced by `autopar.pipeline_search` with the recipe forced on the SPMD sub-mesh:
+  dp, zero1, zero2, zero3     one 1-D mesh over every device
+  megatron-tp                 tensor parallel inside a node (tp = 8) x data parallel across nodes
+  fsdp+tp                     torchtitan 2-D: ZeRO-3 across nodes x tensor parallel inside a node
+  pp-1f1b                     pp in {2, 4, 8} stages (1F1B, m in {pp, 2pp, 4pp}) x data parallel
+  3d                          torchtitan 3-D: pp {2, 4, 8} x ZeRO-3 x tp 8, 1F1B
+"auto" is the full search (every pp x dp x tp, micro-batch count, schedule; SPMD solver inside).
+Prints one row per case: auto's step time, the best recipe and its time, and auto / best.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+DEVICES = (8, 16, 64, 256)
+BUDGETS = ("80GB", "40GB")
+QUICK = (("gpt2-124m", 8), ("gpt2-350m", 16))
+PER_NODE = 8
+
+
+def build(name: str, batch: int):
+    """(model, example_inputs) on the meta device."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    import models
+    gpt = {"gpt2-124m": (12, 768, 12), "gpt2-350m": (24, 1024, 16), "gpt2-1.5b": (48, 1600, 25)}
+    llama = {"llama-7b": LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                                     intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096),
+             "llama-13b": LlamaConfig(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40,
+                                      intermediate_size=13824, vocab_size=32000, max_position_embeddings=4096)}
+    if name in gpt:
+        layers, width, heads = gpt[name]
+        config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=50257, n_positions=1024,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cls, seq = GPT2LMHeadModel, 1024
+    else:
+        config = llama[name] if name in llama else models.llama3_70b_config()
+        cls, seq = LlamaForCausalLM, 4096
+    with torch.device("meta"):
+        model = cls(config)
+    ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
+    return model, (ids, {"labels": ids})
+
+
+def recipes(n: int) -> dict[str, dict]:
+    """Hand recipe name -> search restrictions (meshes as (pp, dp, tp), SPMD strategy, schedules)."""
+    tp = min(PER_NODE, n)
+    pps = [p for p in (2, 4, 8) if n % p == 0]
+    out = {r: dict(meshes=[(1, n, 1)], strategy={"dp": r}, num_microbatches=[1]) for r in ("dp", "zero1", "zero2", "zero3")}
+    out["megatron-tp"] = dict(meshes=[(1, n // tp, tp)], strategy={"dp": "dp", "tp": "tp"}, num_microbatches=[1])
+    out["fsdp+tp"] = dict(meshes=[(1, n // tp, tp)], strategy={"dp": "zero3", "tp": "tp"}, num_microbatches=[1])
+    out["pp-1f1b"] = dict(meshes=[(p, n // p, 1) for p in pps], strategy={"dp": "dp"}, schedules=("1f1b",))
+    out["3d"] = dict(meshes=[(p, n // (p * tp), tp) for p in pps if n % (p * tp) == 0],
+                     strategy={"dp": "zero3", "tp": "tp"}, schedules=("1f1b",))
+    return out
+
+
+def _try(fn):
+    from autopar.errors import InfeasiblePlanError
+    try:
+        return fn()
+    except InfeasiblePlanError:
+        return None
+
+
+def run(name: str, n: int, budgets=BUDGETS) -> list[dict]:
+    import autopar
+    from autopar.pipeline_search import Profiler, search
+    model, inputs = build(name, n)
+    mesh = autopar.Mesh((n,), hardware="h100", devices_per_node=PER_NODE)
+    prof = Profiler(model, inputs, mesh.hardware, PER_NODE)   # captures and SPMD profiles shared by every row
+    rows = []
+    for budget in budgets:
+        start, cpu = time.perf_counter(), time.process_time()
+        hand = {}
+        for recipe, kw in recipes(n).items():
+            res = _try(lambda: search(model, inputs, mesh=mesh, memory_budget=budget, profiler=prof, **kw))
+            hand[recipe] = res.best if res is not None else None
+        auto = _try(lambda: search(model, inputs, mesh=mesh, memory_budget=budget, profiler=prof))
+        fits = {r: c for r, c in hand.items() if c is not None}
+        best = min(fits, key=lambda r: fits[r].step_time, default=None)
+        rows.append({"model": name, "devices": n, "budget": budget, "auto": auto.best if auto else None,
+                     "best_recipe": best, "hand": fits.get(best), "seconds": time.perf_counter() - start,
+                     "cpu": time.process_time() - cpu})
+        _print(rows[-1])
+    return rows
+
+
+def _fmt(c) -> str:
+    return f"{c.step_time * 1e3:10.1f}" if c is not None else f"{'infeasible':>10}"
+
+
+def _print(row: dict) -> None:
+    auto, hand = row["auto"], row["hand"]
+    ratio = f"{auto.step_time / hand.step_time:6.3f}" if auto and hand else f"{'-':>6}"
+    shape = f"pp{auto.pp} dp{auto.dp} tp{auto.tp} m{auto.num_microbatches} {auto.schedule}" if auto else "-"
+    print(f"{row['model']:<10}{row['devices']:>5}{row['budget']:>7} {_fmt(auto)} {_fmt(hand)} "
+          f"{(row['best_recipe'] or '-'):<12}{ratio}  {shape:<32}{row['seconds']:6.0f}s{row['cpu']:6.0f}s", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help=f"only {QUICK}, both budgets")
+    ap.add_argument("--model", action="append")
+    ap.add_argument("--devices", type=int, action="append")
+    args = ap.parse_args()
+    names = args.model or ["gpt2-124m", "gpt2-350m", "gpt2-1.5b", "llama-7b", "llama-13b", "llama-70b"]
+    cases = QUICK if args.quick else [(m, n) for m in names for n in (args.devices or DEVICES)]
+    print(f"{'model':<10}{'dev':>5}{'budget':>7} {'auto ms':>10} {'hand ms':>10} {'best recipe':<12}{'ratio':>6}  "
+          f"{'auto plan':<32}{'wall':>7}{'cpu':>6}")
+    rows = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, n in cases:
+            rows += run(name, n)
+    both = [r for r in rows if r["auto"] and r["hand"]]
+    at_most = sum(r["auto"].step_time <= r["hand"].step_time * (1 + 1e-9) for r in both)
+    better = sum(r["auto"].step_time <= 0.9 * r["hand"].step_time for r in both)
+    only_auto = sum(1 for r in rows if r["auto"] and not r["hand"])
+    print(f"{len(rows)} rows; both feasible in {len(both)}: auto <= best recipe in {at_most}, >= 10% faster in "
+          f"{better}; only auto fits in {only_auto}")
+
+
+if __name__ == "__main__":
+    main()

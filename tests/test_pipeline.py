@@ -1,0 +1,190 @@
+"""Pipelined plans (autopar/pipeline_plan.py, passes/split_stages.py, autopar/pipeline_runtime.py):
+the stage split alone on one process, and pipelined training under gloo equal to one process."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import autopar
+import models
+from dist_cases import EPS, LR, train_reference
+from dist_utils import run_distributed
+
+STEPS = 3
+
+
+def _batches(case, steps=STEPS):
+    """Different batches of the example's shapes (same vocab range), as test_runtime makes them."""
+    out = []
+    for seed in range(steps):
+        gen = torch.Generator().manual_seed(100 + seed)
+        vocab = int(max(int(a.max()) for a in case.args if a.dtype == torch.long)) + 1
+        args = tuple(torch.randint(0, vocab, a.shape, generator=gen) if a.dtype == torch.long else a
+                     for a in case.args)
+        kwargs = {k: args[0] if k == "labels" else v for k, v in case.kwargs.items()}
+        out.append((args, kwargs))
+    return out
+
+
+def train_pipelined(rank, world, model, batches, steps, kws):
+    """autoparallelize (pipelined) + AdamW for `steps` steps, once per option set in `kws`."""
+    from autopar.runtime import autoparallelize
+    out = []
+    for kw in kws:
+        args, kwargs = batches[0]
+        example = tuple(args) + ((kwargs,) if kwargs else ())
+        pmodel = autoparallelize(copy.deepcopy(model), example, verify=True, baselines=False, **kw)
+        opt = torch.optim.AdamW(pmodel.parameters(), lr=LR, eps=EPS)
+        losses = []
+        for step in range(steps):
+            args, kwargs = batches[step % len(batches)]
+            opt.zero_grad()
+            losses.append(pmodel.train_step(*args, **kwargs).item())
+            opt.step()
+        args, kwargs = batches[0]
+        out.append({"losses": losses, "state": pmodel.full_state_dict(), "plan": pmodel.plan.to_json(),
+                    "eval": pmodel(*args, **kwargs).item(), "owned": sorted(n for n, _ in pmodel.named_parameters())})
+    return out
+
+
+# ---------------------------------------------------------------- one process: the split and the plan
+
+def _run_programs(programs, case, captured):
+    """Run the stage programs in pipeline order on one process: (loss, summed parameter gradients)."""
+    params, buffers = dict(case.model.named_parameters()), dict(case.model.named_buffers())
+    flat_inputs = list(case.args) + [v for v in case.kwargs.values() if isinstance(v, torch.Tensor)]
+    env = {("input", n.name): x for n, x in zip(captured.placeholders("input"), flat_inputs)}
+    state = lambda key, env: params[key[1]].detach() if key[0] == "param" else (  # noqa: E731
+        buffers[key[1]] if key[0] == "buffer" else env[key])
+    saved = []
+    for prog in programs:
+        out = prog.forward(*[state(k, env) for k in prog.forward_args])
+        sent = 1 if prog.index == len(programs) - 1 else len(prog.outputs)
+        saved.append(out[sent:])
+        env = {("input", n): v for n, v in zip(prog.outputs, out[:sent])}
+    loss, grads, env = out[0], {}, {}
+    for prog in reversed(programs):
+        env.update({("saved", i): v for i, v in enumerate(saved[prog.index])})
+        out = prog.backward(*[state(k, env) for k in prog.backward_args])
+        for name, g in zip(prog.grad_params, out):
+            grads[name] = grads.get(name, 0) + g   # a shared parameter: summed across its stages
+        env = {("grad", n): g for n, g in zip(prog.input_grads, out[len(prog.grad_params):])}
+    return loss, grads
+
+
+@pytest.mark.parametrize("name,cut", [("gpt", 1), ("gpt", 3), ("llama", 2)])
+def test_split_stages_computes_the_joint_graph(name, cut):
+    """Forward programs in stage order, then backward programs in reverse, give the joint graph's loss and
+    gradients; the tied wte/lm_head weight lives on both stages of the GPT."""
+    from autopar.canonicalize import canonicalize
+    from autopar.capture import capture
+    from autopar.passes.split_stages import graph_units, split_stages
+    case = models.tiny_gpt(batch=2, seq=8) if name == "gpt" else models.tiny_llama(batch=2, seq=8)
+    captured = capture(case.model, case.args, example_kwargs=case.kwargs)
+    canonicalize(captured.gm)
+    units = graph_units(captured.gm)
+    programs = split_stages(captured.gm, [units[:cut], units[cut:]], units, list(captured.grad_param_names))
+    tensors = {**dict(case.model.named_parameters()), **dict(case.model.named_buffers())}
+    flat = [tensors[n].detach() for n in captured.param_names + captured.buffer_names] + list(case.args) + \
+        [v for v in case.kwargs.values() if isinstance(v, torch.Tensor)]
+    with torch.no_grad():
+        want = captured.gm(*flat)
+    loss, grads = _run_programs(programs, case, captured)
+    torch.testing.assert_close(loss, want[0])
+    assert set(grads) == set(captured.grad_param_names)
+    for n, g in zip(captured.grad_param_names, want[1:]):
+        torch.testing.assert_close(grads[n], g, msg=lambda m: f"{n}: {m}")
+    assert programs[0].outputs == programs[1].inputs and programs[1].input_grads
+    shared = [p.shared_params for p in programs]
+    assert shared == ([["transformer.wte.weight"]] * 2 if name == "gpt" else [[], []])
+    assert not set(programs[0].params) & set(programs[1].params) - set(shared[0])
+
+
+def test_pipelined_plan_widens_the_mesh_and_round_trips():
+    case = models.tiny_gpt(batch=4, seq=16)
+    plan = autopar.plan(case.model, case.args, mesh=autopar.Mesh((2,)), num_stages=2, num_microbatches=2,
+                        schedule="gpipe", baselines=False)
+    assert plan.mesh.axis_names[0] == "pp" and tuple(plan.mesh.shape) == (2, 1)
+    assert plan.recipes[0] == "pp" and plan.schedule == "gpipe" and plan.num_microbatches == 2
+    assert all(p.master[0] == "R" and p.use[0] == "R" for p in plan.params.values())
+    assert all(o is None or o[0] == "R" for c in plan.nodes.values() for o in c.outs)
+    units = [u for st in plan.stages for u in st.modules]
+    assert units == ["<pre>", "transformer.h.0", "transformer.h.1", "<post>"]   # each unit once, in order
+    assert [st.ranks for st in plan.stages] == [(0,), (1,)]
+    assert all(st.predicted_time > 0 and st.memory > 0 for st in plan.stages)
+    assert plan.predicted_step_time >= sum(st.predicted_time for st in plan.stages)  # fill and drain at least
+    assert plan.memory_per_device == max(st.memory for st in plan.stages)
+    again = autopar.Plan.from_json(plan.to_json())
+    assert again.stages == plan.stages and again.to_json() == plan.to_json()
+    text = str(plan)
+    assert "2 stages, 2 micro-batches, schedule gpipe" in text and "predicted bubble 33%" in text
+    assert "stage 1  ranks 1" in text
+
+
+def test_pipelined_plan_refuses_bad_requests():
+    from autopar.errors import InputError, MeshError
+    case = models.tiny_gpt(batch=4, seq=16)
+    with pytest.raises(InputError, match="micro-batches"):
+        autopar.plan(case.model, case.args, mesh=autopar.Mesh((2,)), num_stages=2, num_microbatches=3)
+    with pytest.raises(InputError, match="schedule"):
+        autopar.plan(case.model, case.args, mesh=autopar.Mesh((2,)), num_stages=2, schedule="zigzag")
+    with pytest.raises(MeshError, match="first axis"):
+        autopar.plan(case.model, case.args, mesh=autopar.Mesh((1, 2), axis_names=("dp", "pp")))
+    with pytest.raises(MeshError, match="do not split"):
+        autopar.plan(case.model, case.args, mesh=autopar.Mesh((3,)), num_stages=2)
+
+
+# ---------------------------------------------------------------- multi-process: equal to one process
+
+def _reference_eval(model, state, batch) -> float:
+    ref = copy.deepcopy(model)
+    ref.load_state_dict(state)
+    args, kwargs = batch
+    with torch.no_grad():
+        out = ref(*args, **kwargs)
+    return float(out if isinstance(out, torch.Tensor) else out.loss)
+
+
+def _compare(results, case, batches, kws, world):
+    ref_losses, ref_state = train_reference(case.model, batches, STEPS)
+    ref_eval = _reference_eval(case.model, ref_state, batches[0])
+    for i, kw in enumerate(kws):
+        label = f"world={world} {kw}"
+        for rank in range(world):
+            got = results[rank][i]
+            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"{label} rank {rank} losses: {m}")
+            assert got["eval"] == pytest.approx(ref_eval, rel=1e-4, abs=1e-5), label
+        state = results[0][i]["state"]
+        assert set(ref_state) <= set(state), label   # (plus non-persistent buffers such as rotary tables)
+        for key, want in ref_state.items():
+            torch.testing.assert_close(state[key], want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{label} {key}: {m}")
+        plan = autopar.Plan.from_json(results[0][i]["plan"])
+        assert plan.mesh.axis_names[0] == "pp" and len(plan.stages) == 2, label
+        # each rank registers only its own stage's parameters; together they are the whole model
+        first, last = set(results[0][i]["owned"]), set(results[world - 1][i]["owned"])
+        assert first and last and first != last, label
+        assert first | last == {n for n, _ in case.model.named_parameters()}, label
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_pp2_matches_single_process(name):
+    """pp=2 at world 2, GPipe and 1F1B: losses of 3 AdamW steps, every parameter afterwards, and a
+    forward-only evaluation equal one process (the hand-written GPT ties lm_head to wte)."""
+    case = models.tiny_gpt(batch=4, seq=16) if name == "gpt" else models.tiny_llama(batch=4, seq=16)
+    batches = _batches(case)
+    kws = [dict(num_stages=2, schedule="gpipe"), dict(num_stages=2, schedule="1f1b", num_microbatches=4)]
+    results = run_distributed(train_pipelined, 2, case.model, batches, STEPS, kws, timeout=600)
+    _compare(results, case, batches, kws, 2)
+
+
+def test_pp2_with_dp_and_tp_matches_single_process():
+    """World 4: pp=2 x dp=2 (GPipe) and pp=2 x tp=2 (1F1B) on the tied GPT."""
+    case = models.tiny_gpt(batch=8, seq=16)
+    batches = _batches(case)
+    kws = [dict(mesh=autopar.Mesh((2, 2), axis_names=("pp", "dp")), strategy="dp", schedule="gpipe"),
+           dict(mesh=autopar.Mesh((2, 2), axis_names=("pp", "tp")), strategy="tp", schedule="1f1b")]
+    results = run_distributed(train_pipelined, 4, case.model, batches, STEPS, kws, timeout=900)
+    _compare(results, case, batches, kws, 4)

@@ -1,0 +1,148 @@
+"""Pipeline x data x tensor parallel search (autopar/pipeline_search.py) and the per-unit cost
+profile it partitions (autopar/layer_profile.py). Planning only: one process, meta-device models."""
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+
+import autopar
+import models
+from autopar import assemble
+from autopar.canonicalize import canonicalize
+from autopar.capture import capture
+from autopar.costing import ProblemBuilder
+from autopar.costmodel.hardware import LinkSpec, get_hardware
+from autopar.errors import InfeasiblePlanError
+from autopar.layer_profile import POST, PRE, layer_costs
+from autopar.pipeline_search import microbatch_counts, search, split_inputs, state_floor, to_plan
+from autopar.solver import solve
+from autopar.stages import partition
+
+
+def _profile(case, mesh):
+    cap = capture(case.model, case.args, example_kwargs=case.kwargs or None)
+    canonicalize(cap.gm)
+    prob = ProblemBuilder(cap, mesh).build()
+    sol = solve(prob.cg, dedup_layers=bool(prob.cg.layer_groups), cache=prob.solver_cache)
+    return layer_costs(prob, sol.choice, cap), assemble.totals(prob, sol.choice)
+
+
+@pytest.mark.parametrize("make,stack,hidden", [
+    (lambda: models.tiny_gpt(n_layer=3), "transformer.h", 32),   # examples/gpt.py
+    (lambda: models.tiny_llama(), "model.layers", 64),
+])
+def test_layer_costs_units_in_order_and_sum_to_the_spmd_totals(make, stack, hidden):
+    case = make()
+    num_layers = sum(1 for n, _ in case.model.named_modules() if n.startswith(stack + ".") and n.count(".") ==
+                     stack.count(".") + 1)
+    layers, tot = _profile(case, autopar.Mesh((2,)))
+    assert [x.name for x in layers] == [PRE] + [f"{stack}.{i}" for i in range(num_layers)] + [POST]
+    assert sum(x.forward + x.backward + x.per_step for x in layers) == pytest.approx(tot["step"], rel=1e-9)
+    assert sum(x.state_bytes + x.activation_bytes for x in layers) == pytest.approx(sum(tot["memory"].values()))
+    assert sum(x.activation_bytes for x in layers) == pytest.approx(tot["memory"]["activations"])
+    blocks = layers[1:-1]
+    assert all(x.forward > 0 and x.backward > x.forward * 0.5 and x.state_bytes > 0 for x in blocks)
+    assert all(x.per_step > 0 for x in blocks)            # optimizer update of the block's parameters
+    batch, seq = case.args[0].shape
+    full = batch * seq * hidden * 4                       # the residual stream, fp32
+    assert all(x.boundary_bytes in (full, full / 2) or x.boundary_bytes > full for x in layers[:-2])
+    assert layers[-2].boundary_bytes in (full, full / 2)  # the last block sends only the hidden state
+    assert layers[-1].boundary_bytes == 0
+
+
+def test_split_inputs_cuts_every_batch_tensor():
+    ids = torch.zeros(8, 4, dtype=torch.long)
+    args = split_inputs((ids, {"labels": ids, "scale": torch.ones(3)}), 4)
+    assert args[0].shape == (2, 4) and args[1]["labels"].shape == (2, 4) and args[1]["scale"].shape == (3,)
+    assert microbatch_counts(8, 2, 2) == [2, 4]     # m = 8 leaves a micro-batch of 1 for dp = 2
+    assert microbatch_counts(8, 1, 1, [3, 4]) == [4]
+
+
+def _slow_inter_node(devices_per_node: int):
+    hw = get_hardware("h100")
+    slow = LinkSpec(hw.inter_node.bandwidth / 100, hw.inter_node.latency * 10)
+    return replace(hw, name="h100-slow-inter", inter_node=slow, devices_per_node=devices_per_node)
+
+
+def test_two_nodes_slow_link_keep_tp_inside_a_node():
+    """2 nodes x 4 devices, a 100x slower inter-node link: tp never crosses nodes, the axis that does
+    is pp or dp, and the best candidate is the fastest one priced."""
+    case = models.meta_gpt(n_layer=6, n_embd=256, n_head=4, batch=8, seq=128)
+    mesh = autopar.Mesh((8,), hardware=_slow_inter_node(4), devices_per_node=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = search(case.model, case.example_inputs, mesh=mesh, memory_budget="80GB", num_microbatches=4)
+    shapes = {(c.pp, c.dp, c.tp) for c in res.candidates}
+    assert all(4 % tp == 0 for _, _, tp in shapes) and any(pp > 1 for pp, _, _ in shapes)
+    assert res.best.step_time == min(c.step_time for c in res.candidates if c.feasible)
+    table = res.baseline_table(3)
+    assert len(table) == 3 and next(iter(table.values()))["time"] == res.best.step_time
+    crossing = [a for a in res.mesh.axis_names if res.mesh.axis_size(a) > 1 and res.mesh.is_inter_node(a)]
+    assert crossing and set(crossing) <= {"pp", "dp"}
+    assert res.best.tp == 1 or not res.mesh.is_inter_node("tp")
+    # the reported split is reproducible from the profile the result carries
+    again = partition(res.layers, res.best.pp, res.best.num_microbatches, res.best.schedule,
+                      p2p_time=lambda b: res.mesh.collective_time("send_recv", b, "pp"), memory_budget=80e9)
+    assert again.step_time == pytest.approx(res.best.step_time)
+    assert sum(len(s) for s in res.best.stage_modules) == len(res.layers)
+
+
+def test_pipeline_stages_forced_when_requested():
+    case = models.meta_gpt(n_layer=6, n_embd=128, n_head=4, batch=8, seq=64)
+    mesh = autopar.Mesh((4,), hardware="h100", devices_per_node=4)
+    res = search(case.model, case.example_inputs, mesh=mesh, num_stages=4, num_microbatches=8,
+                 schedules=("1f1b",))
+    assert {(c.pp, c.num_microbatches, c.schedule) for c in res.candidates} == {(4, 8, "1f1b")}
+    split = res.best.split
+    assert len(split.bounds) == 4 and split.bubble_fraction > 0
+    assert res.best.memory_per_device == max(split.stage_memory)
+    plan = to_plan(res, case.model)   # the pipelined Plan (autopar/pipeline_plan.py) agrees with the search
+    assert plan.mesh.axis_names[0] == "pp" and len(plan.stages) == 4 and plan.num_microbatches == 8
+    assert [s.modules[0] for s in plan.stages] == [m[0] for m in res.best.stage_modules]
+    assert plan.predicted_step_time == pytest.approx(res.best.step_time, rel=1e-6)
+
+
+def test_llama3_70b_on_8_h100_is_infeasible_with_the_minimum_memory():
+    case = models.meta_llama3_70b(batch=8, seq=4096)
+    with pytest.raises(InfeasiblePlanError) as info:
+        search(case.model, case.example_inputs, mesh=autopar.Mesh((8,), hardware="h100"), memory_budget="80GB")
+    params = sum(p.numel() for p in case.model.parameters())
+    assert params > 69e9
+    need = info.value.min_memory_per_device
+    assert need == pytest.approx(state_floor(case.model, 8)) and need == pytest.approx(params * 16 / 8)
+    assert need > 80e9 and info.value.budget == 80e9
+
+
+def test_activations_over_budget_raise_with_the_least_memory_of_any_candidate():
+    """State fits (so the fast check passes) but no candidate's activations do: the error carries
+    the least memory the priced candidates need, and a budget of that size is feasible."""
+    case = models.meta_gpt(n_layer=6, n_embd=128, n_head=4, batch=8, seq=256)
+    mesh = autopar.Mesh((2,), hardware="h100", devices_per_node=2)
+    tight = 1.2 * state_floor(case.model, 2)
+    with pytest.raises(InfeasiblePlanError) as info:
+        search(case.model, case.example_inputs, mesh=mesh, memory_budget=tight, num_microbatches=[2])
+    need = info.value.min_memory_per_device
+    assert need > tight
+    res = search(case.model, case.example_inputs, mesh=mesh, memory_budget=need * 1.0001, num_microbatches=[2])
+    assert res.best.memory_per_device <= need * 1.0001
+
+
+def test_llama3_70b_on_64_h100_fits_80gb():
+    """Llama-3-70B (80 layers, meta) on 8 nodes x 8 H100s: 8 stages of tp 8, 8 micro-batches (the
+    full search over every pp x dp x tp runs in benchmarks/plan_quality.py)."""
+    case = models.meta_llama3_70b(batch=8, seq=4096)
+    mesh = autopar.Mesh((64,), hardware="h100")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = search(case.model, case.example_inputs, mesh=mesh, memory_budget="80GB", num_stages=8,
+                     num_microbatches=8, schedules=("1f1b",))
+    best = res.best
+    assert (best.pp, best.dp * best.tp) == (8, 8) and best.feasible
+    assert best.memory_per_device <= 80e9 and max(best.split.stage_memory) == best.memory_per_device
+    assert len(res.layers) == 82 and sum(len(s) for s in best.stage_modules) == 82
+    assert res.mesh.is_inter_node("pp") and not res.mesh.is_inter_node(res.mesh.axis_names[-1])
+    sizes = [len(s) for s in best.stage_modules]
+    assert max(sizes) - min(sizes) <= 3    # balanced by time: the end stages hold embedding / head

@@ -1,0 +1,244 @@
+"""Activation recompute (issue #10): the solver's keep/recompute decision per layer, the pass that
+re-runs a layer's forward in backward, and measured activation memory against the prediction."""
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.fx as fx
+
+import autopar
+from autopar.canonicalize import canonicalize
+from autopar.capture import capture
+from autopar.costing import saved_values
+from autopar.errors import InfeasiblePlanError, InputError
+from autopar.plan import Plan
+from autopar.planner import plan_captured
+from autopar.recompute import copied_nodes, layer_nodes, normalize
+from autopar.passes import PassContext
+from autopar.passes.recompute import recompute_pass
+from dist_cases import train_parallel, train_reference
+from dist_utils import run_distributed
+from examples.gpt import GPT, GPTConfig
+import models
+
+aten = torch.ops.aten
+N_LAYER = 4
+
+
+# ---------------------------------------------------------------------------- the pass, by hand
+def _hand_graph() -> fx.GraphModule:
+    """loss = sum(dropout(relu(x @ w)) + x) in layer "layers.0", with its hand-written backward."""
+    g = fx.Graph()
+
+    def op(target, *args, phase="forward", path="layers.0"):
+        n = g.call_function(target, args)
+        n.meta.update(phase=phase, module_path=path)
+        return n
+
+    w, x = g.placeholder("w"), g.placeholder("x")
+    w.meta.update(autopar_role="param", autopar_name="layers.0.w")
+    x.meta.update(autopar_role="input", autopar_name="x")
+    h = op(aten.mm.default, x, w)
+    r = op(aten.rand_like.default, h)
+    mask = op(aten.gt.Scalar, r, 0.5)
+    d = op(aten.mul.Tensor, op(aten.relu.default, h), mask)
+    y = op(aten.add.Tensor, d, x)
+    loss = op(aten.sum.default, y, path="")
+    gy = op(aten.ones_like.default, y, phase="backward")
+    gh = op(aten.threshold_backward.default, op(aten.mul.Tensor, gy, mask, phase="backward"), h, 0,
+            phase="backward")
+    gw = op(aten.mm.default, op(aten.t.default, x, phase="backward"), gh, phase="backward")
+    g.output((loss, gw))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _run(gm, w, x):
+    torch.manual_seed(0)
+    return gm(w, x)
+
+
+def _ctx(paths) -> PassContext:
+    return PassContext(SimpleNamespace(recompute=tuple(paths)), (1,))
+
+
+def test_pass_recomputes_the_layer_and_keeps_the_dropout_mask():
+    gm = _hand_graph()
+    w, x = torch.randn(6, 6), torch.randn(4, 6)
+    before = _run(gm, w, x)
+    layer = layer_nodes(gm)["layers.0"]
+    copies = copied_nodes(layer)
+    assert [n.name for n in copies] == ["mm_default", "gt_scalar"]  # what backward reads; not the output, not the rand
+    predicted = {(b.name, i) for b, i in saved_values(gm, frozenset(copies))}
+    gm = recompute_pass(gm, _ctx(["layers.0"]))
+    redone = [n for n in gm.graph.nodes if n.meta.get("autopar_pass") == "recompute"]
+    assert [n.meta["autopar_recompute_of"] for n in redone] == ["mm_default", "gt_scalar"]
+    assert all(n.meta["phase"] == "backward" for n in redone)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for name in ("mm_default", "gt_scalar"):  # the originals now die in forward
+        assert all(u.meta["phase"] == "forward" for u in by_name[name].users)
+    assert sum(n.target is aten.rand_like.default for n in gm.graph.nodes) == 1  # the mask is not redrawn
+    code = gm.code  # FX's generated code drops the original once forward is done with it
+    assert code.index("mm_default = None") < code.index("ones_like")
+    assert redone[1].args[0] is by_name["rand_like_default"]
+    assert {(b.name, i) for b, i in saved_values(gm)} == predicted == {("x", 0), ("rand_like_default", 0), ("add_tensor", 0)}
+    after = _run(gm, w, x)
+    for a, b in zip(before, after):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_pass_with_nothing_to_do_leaves_the_graph_unchanged():
+    gm = _hand_graph()
+    code = gm.code
+    assert recompute_pass(gm, _ctx([])).code == code
+
+
+def test_normalize_checks_layer_paths():
+    assert normalize(None, ["h.0"]) == "auto"
+    assert normalize(["h.0"], ["h.0"]) == ("h.0",)
+    with pytest.raises(InputError, match="not layers"):
+        normalize(["h.7"], ["h.0"])
+    with pytest.raises(InputError):
+        normalize("sometimes", ["h.0"])
+
+
+# ---------------------------------------------------------------------------- planning the GPT
+@pytest.fixture(scope="module")
+def gpt():
+    """examples/gpt.py with layers wide enough (64) next to its vocabulary (64) that the activations
+    kept for backward, not the logits' transients, set the peak (as in any real model)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=N_LAYER, n_head=2, n_embd=64))
+    return models.Case(model, (models._tokens(64, 8, 32), models._tokens(64, 8, 32, seed=1)))
+
+
+@pytest.fixture(scope="module")
+def captured(gpt):
+    """One capture serves every plan of the module (`autopar.plan` = capture + `plan_captured`)."""
+    c = capture(gpt.model, gpt.args)
+    canonicalize(c.gm)
+    return c
+
+
+def _plan(case, captured, **kw) -> Plan:
+    return plan_captured(captured, case.model, case.args, baselines=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def world1(gpt, captured):
+    """(nothing recomputed, everything recomputed, a budget halfway between) on one device."""
+    keep = _plan(gpt, captured, mesh=(1,))
+    every = _plan(gpt, captured, mesh=(1,), recompute="all")
+    budget = int((keep.memory_per_device + every.memory_per_device) / 2)
+    return keep, every, _plan(gpt, captured, mesh=(1,), memory_budget=budget), budget
+
+
+def test_without_a_budget_nothing_recomputes(world1):
+    keep, every, _, _ = world1
+    assert keep.recompute == ()
+    assert every.recompute == tuple(f"transformer.h.{i}" for i in range(N_LAYER - 1))  # the last never
+    assert every.memory_breakdown["activations"] < keep.memory_breakdown["activations"]
+    assert every.predicted_compute_time > keep.predicted_compute_time
+    assert "recompute" not in str(keep)
+
+
+def test_budget_between_recomputes_some_layers(world1):
+    keep, every, mid, budget = world1
+    assert 0 < len(mid.recompute) < N_LAYER - 1
+    assert mid.recompute == tuple(f"transformer.h.{i}" for i in range(len(mid.recompute)))  # the lowest
+    assert mid.feasible and mid.memory_per_device <= budget
+    assert keep.predicted_step_time < mid.predicted_step_time < every.predicted_step_time
+    assert "recompute" in str(mid) and "transformer.h." in str(mid)
+    assert Plan.from_json(mid.to_json()).recompute == mid.recompute
+
+
+def test_budget_below_everything_recomputed_raises_with_the_minimum(gpt, captured, world1):
+    _, every, _, _ = world1
+    budget = int(every.memory_per_device * 0.8)
+    with pytest.raises(InfeasiblePlanError, match="recompute") as info:
+        _plan(gpt, captured, mesh=(1,), memory_budget=budget)
+    least = info.value.min_memory_per_device
+    assert budget < least <= every.memory_per_device * 1.001
+
+
+def _measure(rank, world, model, args, plan_jsons):
+    from autopar.memtrack import measure_step
+    from autopar.runtime import autoparallelize
+    out = []
+    for pj in plan_jsons:
+        pmodel = autoparallelize(model, args, plan=Plan.from_json(pj), verify=True)
+        out.append(measure_step(pmodel, *args).peak_bytes)
+    return out
+
+
+def test_measured_peak_activation_memory_matches_the_prediction(gpt, world1):
+    keep, every, mid, _ = world1
+    plans = (keep, mid, every)
+    measured = run_distributed(_measure, 1, gpt.model, gpt.args, [p.to_json() for p in plans])[0]
+    for plan, got in zip(plans, measured):
+        want = plan.memory_breakdown["activations"]
+        assert abs(got - want) <= 0.15 * want, (plan.recompute, got, want)
+    assert measured[0] > measured[1] > measured[2]
+
+
+# ---------------------------------------------------------------------------- training at world 2
+def _least(case, captured, **kw) -> float:
+    with pytest.raises(InfeasiblePlanError) as info:
+        _plan(case, captured, mesh=(2,), memory_budget=1, **kw)
+    return info.value.min_memory_per_device
+
+
+def _train_plans(rank, world, model, batches, plan_jsons):
+    return [train_parallel(rank, world, model, batches, 3, {"plan": Plan.from_json(pj)}) for pj in plan_jsons]
+
+
+def test_recomputed_plans_train_like_one_process(gpt, captured):
+    """The budget-forced plan, and recompute with tensor parallel and ZeRO-3, whose forward collectives
+    (TP all-reduces, ZeRO-3 gathers) run again in backward: priced, emitted, and numerically exact."""
+    budget = int((_least(gpt, captured, recompute="none") + _least(gpt, captured, recompute="all")) / 2)
+    plans = [_plan(gpt, captured, mesh=(2,), memory_budget=budget),
+             _plan(gpt, captured, mesh=(2,), strategy="tp", recompute=["transformer.h.1"]),
+             _plan(gpt, captured, mesh=(2,), strategy="zero3", recompute="all")]
+    assert plans[0].recompute and plans[0].memory_per_device <= budget
+    for plan in plans[1:]:
+        assert any(c.reason.startswith("recompute") for c in plan.collectives)
+    batches = [((gpt.args[0].roll(s, 1), gpt.args[1].roll(s, 1)), {}) for s in range(3)]
+    ref_losses, ref_state = train_reference(gpt.model, batches, 3)
+    got = run_distributed(_train_plans, 2, gpt.model, batches, [p.to_json() for p in plans])
+    for plan, result in zip(plans, got[0]):
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
+        for k, v in ref_state.items():
+            torch.testing.assert_close(result["state"][k], v, rtol=1e-4, atol=1e-5)
+        assert result["emitted"] == dict(Counter((c.kind, c.phase) for c in plan.collectives)), plan.recompute
+
+
+def _step_with_seed(rank, world, model, args, plan_jsons):
+    import copy
+    from autopar.recompute import is_random
+    from autopar.runtime import autoparallelize
+    out = []
+    for pj in plan_jsons:
+        pmodel = autoparallelize(copy.deepcopy(model), args, plan=Plan.from_json(pj), verify=True)
+        torch.manual_seed(5)
+        loss = pmodel.train_step(*args)
+        nodes = list(pmodel.gm.graph.nodes)
+        out.append({"loss": loss.item(), "grads": {n: p.grad.full_tensor() for n, p in pmodel.named_parameters()},
+                    "random": sum(is_random(n) for n in nodes),
+                    "copies": sum(n.meta.get("autopar_pass") == "recompute" for n in nodes)})
+    return out
+
+
+def test_recompute_with_dropout_reuses_the_mask():
+    """Dropout 0.2: the recomputed step draws the same masks (kept, not redrawn), so loss and
+    gradients equal the step that keeps every activation, bit for bit."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32, dropout=0.2))
+    args = (models._tokens(64, 4, 16), models._tokens(64, 4, 16, seed=1))
+    plans = [autopar.plan(model, args, mesh=(1,), baselines=False, recompute=r) for r in ("none", "all")]
+    keep, redo = run_distributed(_step_with_seed, 1, model, args, [p.to_json() for p in plans])[0]
+    assert redo["copies"] > 0 and redo["random"] == keep["random"] > 0
+    assert redo["loss"] == keep["loss"]
+    for k, g in keep["grads"].items():
+        torch.testing.assert_close(redo["grads"][k], g, rtol=0, atol=0)

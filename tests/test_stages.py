@@ -1,0 +1,187 @@
+"""Pipeline stage math (autopar/stages.py): schedule formulas against a simulated timeline, the
+exact partition against brute force, and the splits it must find on uneven or memory-bound models."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from autopar.errors import InfeasiblePlanError
+from autopar.stages import (LayerCost, bubble_fraction, in_flight, mesh_factorizations, partition,
+                            schedule_step_time)
+
+
+def simulate(fwd, bwd, m, schedule, p2p=0.0):
+    """Event simulation of one step: each stage runs its ops in schedule order; F(i, j) waits for
+    F(i-1, j), B(i, j) for B(i+1, j) (the last stage's for its own F). A send blocks its stage."""
+    p = len(fwd)
+    f = [fwd[i] + (p2p if i < p - 1 else 0.0) for i in range(p)]
+    b = [bwd[i] + (p2p if i > 0 else 0.0) for i in range(p)]
+    orders = []
+    for i in range(p):
+        if schedule == "gpipe":
+            orders.append([("F", j) for j in range(m)] + [("B", j) for j in range(m)])
+        else:  # 1f1b: p - i - 1 warm-up forwards, then one forward one backward, then the drain
+            warm = min(p - i - 1, m)
+            ops = [("F", j) for j in range(warm)]
+            for j in range(m - warm):
+                ops += [("F", warm + j), ("B", j)]
+            ops += [("B", j) for j in range(m - warm, m)]
+            orders.append(ops)
+    done, free, pos = {}, [0.0] * p, [0] * p
+    while any(pos[i] < len(orders[i]) for i in range(p)):
+        progressed = False
+        for i in range(p):
+            if pos[i] == len(orders[i]):
+                continue
+            kind, j = orders[i][pos[i]]
+            dep = (("F", i - 1, j) if i > 0 else None) if kind == "F" else \
+                  (("B", i + 1, j) if i < p - 1 else ("F", i, j))
+            if dep is not None and dep not in done:
+                continue
+            start = max(free[i], done[dep] if dep else 0.0)
+            free[i] = done[(kind, i, j)] = start + (f[i] if kind == "F" else b[i])
+            pos[i] += 1
+            progressed = True
+        assert progressed, "schedule deadlocked"
+    return max(free)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 3), (8, 16)])
+def test_gpipe_step_formula_matches_simulated_timeline(p, m):
+    rng = random.Random(p * 100 + m)
+    fwd = [rng.uniform(1.0, 3.0) for _ in range(p)]
+    bwd = [2.0 * x for x in fwd]  # backward paced by the same stage as forward
+    sim = simulate(fwd, bwd, m, "gpipe", p2p=0.05)
+    assert schedule_step_time(fwd, bwd, m, "gpipe", p2p=0.05) == pytest.approx(sim, rel=0.01)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 3), (8, 16)])
+def test_1f1b_step_formula_exact_when_balanced_and_an_upper_bound_otherwise(p, m):
+    """1F1B overlaps an early bottleneck stage's warm-up with later stages, so for uneven stages
+    sum t + (m-1) max t is pessimistic (here by < 10%); balanced it is exact."""
+    assert schedule_step_time([1.0] * p, [2.0] * p, m, "1f1b") == pytest.approx(
+        simulate([1.0] * p, [2.0] * p, m, "1f1b"), rel=0.01)
+    rng = random.Random(p * 10 + m)
+    fwd = [rng.uniform(1.0, 3.0) for _ in range(p)]
+    bwd = [2.0 * x for x in fwd]
+    sim = simulate(fwd, bwd, m, "1f1b", p2p=0.05)
+    formula = schedule_step_time(fwd, bwd, m, "1f1b", p2p=0.05)
+    assert sim - 1e-9 <= formula <= 1.1 * sim
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 12), (8, 32)])
+def test_gpipe_bubble_formula_matches_simulation(p, m):
+    sim = simulate([1.0] * p, [2.0] * p, m, "gpipe")
+    idle = 1.0 - m * 3.0 / sim
+    assert idle == pytest.approx(bubble_fraction(p, m, "gpipe"), abs=0.01)
+    assert bubble_fraction(p, m, "interleaved_1f1b", v=2) == pytest.approx((p - 1) / (2 * m + p - 1))
+
+
+def test_in_flight_counts():
+    assert [in_flight("gpipe", 4, 8, k) for k in range(4)] == [8] * 4
+    assert [in_flight("1f1b", 4, 8, k) for k in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("1f1b", 4, 2, k) for k in range(4)] == [2, 2, 2, 1]
+
+
+def _random_layers(rng, n):
+    return [LayerCost(f"l{i}", rng.uniform(0.1, 2.0), rng.uniform(0.2, 4.0), rng.uniform(1, 10),
+                      rng.uniform(1, 5), rng.uniform(0.5, 3)) for i in range(n)]
+
+
+def brute_force(layers, p, m, schedule, p2p, budget):
+    """Every contiguous split, priced by schedule_step_time-compatible arithmetic."""
+    n, best = len(layers), None
+    for cuts in itertools.combinations(range(1, n), p - 1):
+        bounds = (0, *cuts)
+        ends = (*cuts, n)
+        t, ok = [], True
+        for k, (a, b) in enumerate(zip(bounds, ends)):
+            seg = layers[a:b]
+            time = sum(x.forward + x.backward for x in seg)
+            time += (p2p(layers[b - 1].boundary_bytes) if b < n else 0) + (p2p(layers[a - 1].boundary_bytes) if a else 0)
+            mem = sum(x.state_bytes for x in seg) + in_flight(schedule, p, m, k) * sum(x.activation_bytes for x in seg)
+            ok &= budget is None or mem <= budget
+            t.append(time)
+        if ok:
+            step = sum(t) + (m - 1) * max(t)
+            if best is None or step < best[0] - 1e-12:
+                best = (step, bounds)
+    return best
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_partition_equals_brute_force(schedule):
+    rng = random.Random(7)
+    p2p = lambda nbytes: 0.3 * nbytes  # noqa: E731
+    checked = 0
+    for trial in range(40):
+        n, p, m = rng.randint(3, 9), rng.randint(1, 4), rng.randint(1, 6)
+        if p > n:
+            continue
+        layers = _random_layers(rng, n)
+        budget = rng.choice([None, rng.uniform(20, 60)])
+        expect = brute_force(layers, p, m, schedule, p2p, budget)
+        if expect is None:
+            with pytest.raises(InfeasiblePlanError):
+                partition(layers, p, m, schedule, p2p_time=p2p, memory_budget=budget)
+            continue
+        got = partition(layers, p, m, schedule, p2p_time=p2p, memory_budget=budget)
+        assert got.step_time == pytest.approx(expect[0], rel=1e-9)
+        assert len(got.bounds) == p and got.bounds[0] == 0
+        assert budget is None or max(got.stage_memory) <= budget
+        checked += 1
+    assert checked >= 20
+
+
+def test_uneven_model_balances_time_not_layer_count():
+    """Large embedding and LM head around 8 small blocks: the end stages get fewer units."""
+    emb = LayerCost("emb", 4.0, 8.0, 0, 1, 1)
+    head = LayerCost("head", 4.0, 8.0, 0, 1, 1)
+    blocks = [LayerCost(f"h.{i}", 1.0, 2.0, 0, 1, 1) for i in range(8)]
+    split = partition([emb, *blocks, head], 4, 8, "1f1b", p2p_time=lambda b: 0.0)
+    # stage times 12 | 4 blocks = 12 | 4 blocks = 12 | 12: perfectly balanced, not 3/3/2/2 units
+    assert split.bounds == (0, 1, 5, 9)
+    assert split.stage_times == pytest.approx((12.0, 12.0, 12.0, 12.0))
+    assert split.step_time == pytest.approx(4 * 12 + 7 * 12)
+
+
+def test_in_flight_memory_changes_the_split():
+    """1F1B keeps p - k micro-batches on stage k: a tight budget pushes layers to later stages, and
+    a budget too tight for 2 stages needs more of them."""
+    layers = [LayerCost(f"h.{i}", 1.0, 2.0, 1.0, 10.0, 1.0) for i in range(8)]
+    free = partition(layers, 2, 8, "1f1b", p2p_time=lambda b: 0.0)
+    assert free.bounds == (0, 4)
+    tight = partition(layers, 2, 8, "1f1b", p2p_time=lambda b: 0.0, memory_budget=65.0)
+    assert tight.bounds == (0, 3)  # stage 0 holds 2 micro-batches: 3 layers * (1 + 20) = 63 <= 65
+    assert max(tight.stage_memory) <= 65.0 and tight.step_time > free.step_time
+    with pytest.raises(InfeasiblePlanError):
+        partition(layers, 2, 8, "1f1b", p2p_time=lambda b: 0.0, memory_budget=50.0)
+    more = partition(layers, 4, 8, "1f1b", p2p_time=lambda b: 0.0, memory_budget=50.0)
+    assert max(more.stage_memory) <= 50.0
+
+
+def test_infeasible_reports_minimum_memory():
+    layers = [LayerCost(f"h.{i}", 1.0, 2.0, 5.0, 1.0, 1.0) for i in range(4)]
+    with pytest.raises(InfeasiblePlanError) as info:
+        partition(layers, 2, 4, "gpipe", p2p_time=lambda b: 0.0, memory_budget=10.0)
+    # best split: 2 + 2 layers, each 2 * 5 state + 4 in flight * 2 * 1 activations = 18
+    assert info.value.min_memory_per_device == pytest.approx(18.0)
+    assert partition(layers, 2, 4, "gpipe", p2p_time=lambda b: 0.0, memory_budget=18.0).bounds == (0, 2)
+
+
+def test_interleaved_split_fits_and_beats_plain_1f1b_bubble():
+    layers = [LayerCost(f"h.{i}", 1.0, 2.0, 1.0, 1.0, 1.0) for i in range(16)]
+    plain = partition(layers, 4, 4, "1f1b", p2p_time=lambda b: 0.0)
+    inter = partition(layers, 4, 4, "interleaved_1f1b", p2p_time=lambda b: 0.0, v=2)
+    assert len(inter.bounds) == 8 and len(inter.stage_memory) == 4
+    assert inter.step_time < plain.step_time
+    assert inter.bubble_fraction == pytest.approx(bubble_fraction(4, 4, "interleaved_1f1b", v=2))
+
+
+def test_mesh_factorizations_keep_tp_in_a_node():
+    got = mesh_factorizations(16, 4)
+    assert all(pp * dp * tp == 16 and 4 % tp == 0 for pp, dp, tp in got)
+    assert (1, 1, 16) not in got and (1, 4, 4) in got and (16, 1, 1) in got
+    assert len(mesh_factorizations(8, None)) == 10
