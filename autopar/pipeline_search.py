@@ -172,13 +172,14 @@ class Profiler:
 
 def search(model, example_inputs, *, mesh: Mesh, memory_budget=None, schedules=DEFAULT_SCHEDULES,
            num_microbatches=None, num_stages=None, optimizer: str = "adamw", loss_fn=None,
-           time_limit: float | None = None, meshes=None, strategy=None, profiler: Profiler | None = None
-           ) -> SearchResult:
+           time_limit: float | None = None, meshes=None, strategy=None, profiler: Profiler | None = None,
+           accumulate: bool = True) -> SearchResult:
     """The fastest (pp, dp, tp, micro-batches, schedule) for `mesh.size` devices of `mesh.hardware`
     under `memory_budget` bytes per device (int or "80GB"). `num_microbatches` / `num_stages` (an
     int or a list) and `meshes` (a list of (pp, dp, tp)) restrict the search; `strategy` forces the
     SPMD recipe per sub-mesh axis ({"dp": "zero3", "tp": "tp"}: hand-written 3D recipes); a
     `profiler` from an earlier search of the same model and hardware reuses its captures and plans.
+    `accumulate=False` leaves out gradient accumulation (one stage, several micro-batches).
     Raises InfeasiblePlanError with the least memory any candidate needs when none fits."""
     for s in schedules:
         if s not in SCHEDULES:
@@ -198,6 +199,8 @@ def search(model, example_inputs, *, mesh: Mesh, memory_budget=None, schedules=D
             continue
         seen.add(inner)
         for m in microbatch_counts(batch, pp, dp, num_microbatches):
+            if pp == 1 and m > 1 and not accumulate:
+                continue
             names = schedules if pp > 1 else ("1f1b",)   # one stage: every schedule is accumulation
             found.extend(_price(prof, pp, dp, tp, m, names, budget, strategy))
     if not found:
@@ -296,3 +299,21 @@ def to_plan(result: SearchResult, model, *, memory_budget=None, optimizer: str =
     return pipeline_plan.plan_pipelined_captured(
         result.captured, model, result.microbatch_inputs, mesh=result.mesh, num_microbatches=best.num_microbatches,
         schedule=best.schedule, memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit)
+
+
+def plan_searched(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimizer: str = "adamw",
+                  loss_fn=None, time_limit=None, num_microbatches=None, schedule=None, baselines: bool = True):
+    """`autopar.plan(..., num_stages="auto")`: search pipeline x data x tensor parallel layouts of
+    `mesh.size` devices among the plans the runtime can run (GPipe, 1F1B; no gradient accumulation
+    without stages) and return the best one's Plan, its runners-up in `Plan.baselines`. The Plan's
+    mesh is the chosen layout ("pp" first when pipelined), which `autoparallelize` then uses."""
+    import dataclasses
+
+    from autopar import pipeline_plan
+    schedules = (schedule,) if schedule else pipeline_plan.SCHEDULES
+    result = search(model, example_inputs, mesh=mesh, memory_budget=memory_budget, schedules=schedules,
+                    num_microbatches=num_microbatches, optimizer=optimizer, loss_fn=loss_fn, time_limit=time_limit,
+                    accumulate=False)
+    plan = to_plan(result, model, memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit)
+    table = result.baseline_table(5) if baselines else {}
+    return dataclasses.replace(plan, baselines={**plan.baselines, **table})

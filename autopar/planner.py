@@ -45,7 +45,18 @@ def plan(model, example_inputs, *, mesh, strategy="auto", memory_budget=None, op
     `mixed_precision="bf16"` (or a `MixedPrecision`) plans the autocast step (`autopar.precision`).
     `recompute`: None/"auto" (layers recompute only when no plan fits the budget otherwise), "none",
     "all", or a list of layer paths ("transformer.h.0"); see `autopar.recompute`.
-    `num_stages=p` (or a mesh whose first axis is "pp") forces a pipeline: `autopar.pipeline_plan`."""
+    `num_stages=p` (or a mesh whose first axis is "pp") forces a pipeline: `autopar.pipeline_plan`;
+    `num_stages="auto"` searches pipeline x data x tensor layouts: `autopar.pipeline_search`."""
+    if unsupported.get("num_stages") == "auto":  # search pp x dp x tp layouts: autopar.pipeline_search
+        from autopar.pipeline_search import plan_searched
+        if mixed_precision is not None or recompute not in (None, "none") or example_kwargs:
+            raise InputError("num_stages='auto' does not combine with mixed_precision, recompute or "
+                             "example_kwargs yet; pass num_stages=p to force a pipeline")
+        mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
+        return plan_searched(model, example_inputs, mesh=mesh, memory_budget=memory_budget, optimizer=optimizer,
+                             loss_fn=loss_fn, time_limit=time_limit, baselines=baselines,
+                             num_microbatches=unsupported.get("num_microbatches"),
+                             schedule=unsupported.get("schedule"))
     if (unsupported.get("num_stages") or 1) > 1 or "pp" in getattr(mesh, "axis_names", ()):
         from autopar.pipeline_plan import plan_pipelined
         if mixed_precision is not None or recompute not in (None, "none"):

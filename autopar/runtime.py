@@ -131,6 +131,14 @@ def autoparallelize(model: nn.Module, example_inputs: tuple, *, mesh=None, strat
     if mesh.size != world:
         raise MeshError(f"the mesh has {mesh.size} devices ({mesh}) but this job has {world} ranks; "
                         f"launch with torchrun --nproc_per_node {mesh.size} or pass a mesh of {world}")
+    if kw.get("num_stages") == "auto":  # search the layout; the plan brings its mesh
+        from autopar.planner import plan as make_plan
+        search_kw = {k: kw.pop(k) for k in ("num_stages", "num_microbatches", "schedule") if k in kw}
+        if plan is None:
+            plan = _broadcast_plan(lambda: make_plan(model, example_inputs, mesh=mesh, memory_budget=memory_budget,
+                                                     optimizer=optimizer, loss_fn=loss_fn, time_limit=time_limit,
+                                                     **search_kw))
+        mesh = plan.mesh
     if _is_pipelined(mesh, plan, kw):  # a "pp" axis: autopar/pipeline_runtime.py
         from autopar.pipeline_runtime import autoparallelize_pipelined
         return autoparallelize_pipelined(
@@ -160,7 +168,10 @@ def autoparallelize(model: nn.Module, example_inputs: tuple, *, mesh=None, strat
 
 def _is_pipelined(mesh: Mesh, plan: Plan | None, kw: dict) -> bool:
     """A forced pipeline (num_stages > 1), a mesh with a "pp" axis, or a saved plan with stages."""
-    return (kw.get("num_stages") or 1) > 1 or "pp" in mesh.axis_names or (plan is not None and bool(plan.stages))
+    stages = kw.get("num_stages") or 1
+    if not isinstance(stages, int) or stages < 1:
+        raise InputError(f"num_stages={stages!r}: pass a number of pipeline stages (>= 1) or 'auto'")
+    return stages > 1 or "pp" in mesh.axis_names or (plan is not None and bool(plan.stages))
 
 
 class _JointStep(torch.autograd.Function):

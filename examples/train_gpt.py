@@ -35,6 +35,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", default=str(HERE / "data" / "tiny.txt"))
     p.add_argument("--strategy", default="auto", help="auto | dp | zero1 | zero2 | zero3 | tp")
+    p.add_argument("--num-stages", type=_stages, default=None,
+                   help="pipeline stages (an int >= 2 forces a pipeline; 'auto' searches pp x dp x tp)")
+    p.add_argument("--schedule", default=None, help="pipeline schedule: gpipe | 1f1b (default 1f1b)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=16, help="global batch (split across ranks by the plan)")
     p.add_argument("--block", type=int, default=64)
@@ -53,6 +56,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="fault injection for tests: on torchrun's first attempt the last rank SIGKILLs itself "
                         "before this step (run with --max-restarts 1 to see the job resume from a checkpoint)")
     return p.parse_args(argv)
+
+
+def _stages(text: str):
+    return text if text == "auto" else int(text)
 
 
 class CharData:
@@ -130,7 +137,8 @@ def setup(args):
                        n_head=args.n_head, n_embd=args.n_embd, dropout=0.0)
     model = GPT(config)
     example = data.batch(torch.Generator().manual_seed(args.seed), args.batch)
-    pmodel = autoparallelize(model, example, strategy=args.strategy)
+    pmodel = autoparallelize(model, example, strategy=args.strategy, num_stages=args.num_stages,
+                             schedule=args.schedule)
     log = print if dist.get_rank() == 0 else (lambda *a, **k: None)
     log(f"world {dist.get_world_size()}, vocab {data.vocab_size}, {len(data.tokens)} tokens, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")

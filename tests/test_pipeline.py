@@ -188,3 +188,23 @@ def test_pp2_with_dp_and_tp_matches_single_process():
            dict(mesh=autopar.Mesh((2, 2), axis_names=("pp", "tp")), strategy="tp", schedule="1f1b")]
     results = run_distributed(train_pipelined, 4, case.model, batches, STEPS, kws, timeout=900)
     _compare(results, case, batches, kws, 4)
+
+
+def test_num_stages_auto_searches_layouts_and_trains_like_one_process():
+    """num_stages="auto": rank 0 searches pp x dp x tp layouts (runnable schedules only), every rank
+    runs the chosen plan on the plan's own mesh; the runners-up are kept in the plan's baselines."""
+    case = models.tiny_gpt(batch=4, seq=16)
+    searched = autopar.plan(case.model, case.example_inputs, mesh=autopar.Mesh((2,)), num_stages="auto")
+    spmd = autopar.plan(case.model, case.example_inputs, mesh=autopar.Mesh((2,)), baselines=False)
+    assert searched.predicted_step_time <= spmd.predicted_step_time * (1 + 1e-9)
+    assert any(name.startswith("pp2") for name in searched.baselines), searched.baselines   # pp=2 was priced
+    batches = _batches(case)
+    kws = [dict(num_stages="auto")]
+    results = run_distributed(train_pipelined, 2, case.model, batches, STEPS, kws, timeout=600)
+    ref_losses, ref_state = train_reference(case.model, batches, STEPS)
+    for rank in range(2):
+        torch.testing.assert_close(torch.tensor(results[rank][0]["losses"]), torch.tensor(ref_losses),
+                                   rtol=1e-4, atol=1e-5)
+    for key, want in ref_state.items():
+        torch.testing.assert_close(results[0][0]["state"][key], want, rtol=1e-4, atol=1e-5)
+    assert autopar.Plan.from_json(results[0][0]["plan"]).mesh == searched.mesh
