@@ -39,6 +39,7 @@ from autopar import _torch_compat as compat
 from autopar import capture_errors, stamp
 from autopar.rules import moe
 from autopar.errors import InputError, NoLossError
+from autopar.ir import ancestors
 from autopar.precision import MixedPrecision, autocast_forward
 
 log = logging.getLogger(__name__)
@@ -393,7 +394,7 @@ def _annotate(gm: torch.fx.GraphModule, names: list[str], roles: list[str]) -> N
     for node, name, role in zip(placeholders, names, roles):
         node.meta["autopar_name"], node.meta["autopar_role"] = name, role
     loss = gm.graph.output_node().args[0][0]
-    forward = _ancestors(loss)
+    forward = ancestors(loss)
     first_of_seq: dict[int, torch.fx.Node] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -413,16 +414,6 @@ def _annotate(gm: torch.fx.GraphModule, names: list[str], roles: list[str]) -> N
 def _is_forward_getitem(node: torch.fx.Node, forward: set[torch.fx.Node]) -> bool:
     """An extra output of a forward op (e.g. layer norm's saved mean/rstd) is forward too."""
     return node.target is operator.getitem and node.args[0] in forward
-
-
-def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
-    seen, stack = {node}, [node]
-    while stack:
-        for inp in stack.pop().all_input_nodes:
-            if inp not in seen:
-                seen.add(inp)
-                stack.append(inp)
-    return seen
 
 
 def _module_path(stack: dict | None) -> str:

@@ -161,3 +161,14 @@ def _local(gm, ctx) -> None:
                 want = local_shape(spec, tuple(g.shape), ctx.axis_sizes)
                 if tuple(v.shape) != tuple(want):
                     _fail(node, f"local shape {tuple(v.shape)} but the plan says {want}")
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """`node` and every node it depends on (e.g. the loss's ancestors are the forward part)."""
+    seen, stack = {node}, [node]
+    while stack:
+        for inp in stack.pop().all_input_nodes:
+            if inp not in seen:
+                seen.add(inp)
+                stack.append(inp)
+    return seen

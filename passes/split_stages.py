@@ -29,7 +29,6 @@ units never decrease along data flow; each stage's boundary outputs are the next
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +36,7 @@ import torch.fx as fx
 
 from autopar.costing import layer_of
 from autopar.errors import AutoparError
+from autopar.ir import ancestors
 
 PRE, POST = "<pre>", "<post>"
 _FOREIGN = object()   # another stage's contribution to a shared parameter's gradient: left out
@@ -112,7 +112,7 @@ class _UnitRules:
         self.index = {n: i for i, n in enumerate(unit_names)}
         self.stack = next((n.rsplit(".", 1)[0] for n in unit_names if n not in (PRE, POST)), "")
         self.post = self.index.get(POST, len(unit_names) - 1)
-        self.loss_side = _ancestors(gm.graph.output_node().args[0][0])  # capture's definition of forward
+        self.loss_side = ancestors(gm.graph.output_node().args[0][0])  # capture's definition of forward
         self.unit, self.phase, self.floating, self.by_flow = {}, {}, set(), set()
         self.by_path, self.by_seq, self.seen_stack = {}, {}, False
         self.pending: dict = {}   # an ordered set
@@ -158,16 +158,6 @@ class _UnitRules:
             return min(back)
         self.pending[node] = None
         return max((self.unit[a] for a in inputs), default=self.post)
-
-
-def _ancestors(node: fx.Node) -> set:
-    seen, stack = {node}, [node]
-    while stack:
-        for a in stack.pop().all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                stack.append(a)
-    return seen
 
 
 def graph_units(gm: fx.GraphModule) -> list[str]:

@@ -37,24 +37,28 @@ def _local_bytes(t) -> int:
     return t.numel() * t.element_size()
 
 
+def train_steps(pmodel, batches, steps: int, lr: float = LR) -> tuple[list[float], torch.optim.Optimizer]:
+    """`steps` AdamW steps of a parallelized module on `batches` (cycled): its losses and optimizer."""
+    opt = torch.optim.AdamW(pmodel.parameters(), lr=lr, eps=EPS)
+    losses = []
+    for step in range(steps):
+        args, kwargs = batches[step % len(batches)]
+        opt.zero_grad()
+        losses.append(pmodel.train_step(*args, **kwargs).item())
+        opt.step()
+    return losses, opt
+
+
 def train_parallel(rank, world, model, batches, steps, kw):
     """autoparallelize + AdamW for `steps` steps; returns what the tests compare."""
     from autopar.runtime import autoparallelize
     args, kwargs = batches[0]
     example = tuple(args) + ((kwargs,) if kwargs else ())
     pmodel = autoparallelize(copy.deepcopy(model), example, verify=True, baselines=False, **kw)
-    opt = torch.optim.AdamW(pmodel.parameters(), lr=LR, eps=EPS)
-    losses, memory = [], {}
-    for step in range(steps):
-        args, kwargs = batches[step % len(batches)]
-        opt.zero_grad()
-        losses.append(pmodel.train_step(*args, **kwargs).item())
-        opt.step()
-        if step == 0:
-            memory = {"params": sum(_local_bytes(p) for p in pmodel.parameters()),
-                      "buffers": sum(_local_bytes(b) for b in pmodel.buffers()),
-                      "optimizer": sum(_local_bytes(v) for s in opt.state.values() for k, v in s.items()
-                                       if k != "step")}
+    losses, opt = train_steps(pmodel, batches, steps)
+    memory = {"params": sum(_local_bytes(p) for p in pmodel.parameters()),   # sizes are fixed after step 0
+              "buffers": sum(_local_bytes(b) for b in pmodel.buffers()),
+              "optimizer": sum(_local_bytes(v) for s in opt.state.values() for k, v in s.items() if k != "step")}
     from autopar.passes import emitted_collectives
     emitted = Counter((c["kind"], c["phase"]) for c in emitted_collectives(pmodel.gm))
     return {"losses": losses, "state": pmodel.full_state_dict(), "plan": pmodel.plan.to_json(),

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from hypothesis import strategies as st
 
-from dist_cases import EPS, LR, train_reference
+from dist_cases import train_reference, train_steps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `examples` lives at the repo root
 
@@ -102,13 +102,7 @@ def _train_parallel(model, batches, kw) -> tuple[list[float], dict]:
     args, kwargs = batches[0]
     example = tuple(args) + ((kwargs,) if kwargs else ())
     pmodel = autoparallelize(copy.deepcopy(model), example, verify=True, baselines=False, **kw)
-    opt = torch.optim.AdamW(pmodel.parameters(), lr=LR, eps=EPS)
-    losses = []
-    for step in range(STEPS):
-        args, kwargs = batches[step % len(batches)]
-        opt.zero_grad()
-        losses.append(pmodel.train_step(*args, **kwargs).item())
-        opt.step()
+    losses, _ = train_steps(pmodel, batches, STEPS)
     return losses, pmodel.full_state_dict()
 
 

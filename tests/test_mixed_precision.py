@@ -26,7 +26,7 @@ import autopar
 import models
 from autopar.errors import InputError
 from autopar.precision import MixedPrecision, resolve
-from dist_cases import EPS
+from dist_cases import EPS, train_steps
 from dist_utils import run_distributed
 
 STEPS = 20
@@ -103,13 +103,7 @@ def train_bf16(rank, world, model, batches, steps, kws):
         args, kwargs = batches[0]
         pmodel = autoparallelize(copy.deepcopy(model), tuple(args) + ((kwargs,) if kwargs else ()), verify=True,
                                  baselines=False, **kw)
-        opt = torch.optim.AdamW(pmodel.parameters(), lr=LR, eps=EPS)
-        losses = []
-        for step in range(steps):
-            args, kwargs = batches[step % len(batches)]
-            opt.zero_grad()
-            losses.append(pmodel.train_step(*args, **kwargs).item())
-            opt.step()
+        losses, _ = train_steps(pmodel, batches, steps, lr=LR)
         out.append({"losses": losses, "plan": pmodel.plan.to_json(),
                     "param_dtypes": sorted({str(p.dtype) for p in pmodel.parameters()}),
                     "grad_dtypes": sorted({str(p.grad.dtype) for p in pmodel.parameters() if p.grad is not None}),

@@ -9,23 +9,10 @@ import torch
 
 import autopar
 import models
-from dist_cases import EPS, LR, train_reference
+from dist_cases import train_reference, train_steps
 from dist_utils import run_distributed
 
 STEPS = 3
-
-
-def _batches(case, steps=STEPS):
-    """Different batches of the example's shapes (same vocab range), as test_runtime makes them."""
-    out = []
-    for seed in range(steps):
-        gen = torch.Generator().manual_seed(100 + seed)
-        vocab = int(max(int(a.max()) for a in case.args if a.dtype == torch.long)) + 1
-        args = tuple(torch.randint(0, vocab, a.shape, generator=gen) if a.dtype == torch.long else a
-                     for a in case.args)
-        kwargs = {k: args[0] if k == "labels" else v for k, v in case.kwargs.items()}
-        out.append((args, kwargs))
-    return out
 
 
 def train_pipelined(rank, world, model, batches, steps, kws):
@@ -36,13 +23,7 @@ def train_pipelined(rank, world, model, batches, steps, kws):
         args, kwargs = batches[0]
         example = tuple(args) + ((kwargs,) if kwargs else ())
         pmodel = autoparallelize(copy.deepcopy(model), example, verify=True, baselines=False, **kw)
-        opt = torch.optim.AdamW(pmodel.parameters(), lr=LR, eps=EPS)
-        losses = []
-        for step in range(steps):
-            args, kwargs = batches[step % len(batches)]
-            opt.zero_grad()
-            losses.append(pmodel.train_step(*args, **kwargs).item())
-            opt.step()
+        losses, _ = train_steps(pmodel, batches, steps)
         args, kwargs = batches[0]
         out.append({"losses": losses, "state": pmodel.full_state_dict(), "plan": pmodel.plan.to_json(),
                     "eval": pmodel(*args, **kwargs).item(), "owned": sorted(n for n, _ in pmodel.named_parameters())})
@@ -174,7 +155,7 @@ def test_pp2_matches_single_process(name):
     """pp=2 at world 2, GPipe and 1F1B: losses of 3 AdamW steps, every parameter afterwards, and a
     forward-only evaluation equal one process (the hand-written GPT ties lm_head to wte)."""
     case = models.tiny_gpt(batch=4, seq=16) if name == "gpt" else models.tiny_llama(batch=4, seq=16)
-    batches = _batches(case)
+    batches = models.zoo_batches(case, STEPS)
     kws = [dict(num_stages=2, schedule="gpipe"), dict(num_stages=2, schedule="1f1b", num_microbatches=4)]
     results = run_distributed(train_pipelined, 2, case.model, batches, STEPS, kws, timeout=600)
     _compare(results, case, batches, kws, 2)
@@ -183,7 +164,7 @@ def test_pp2_matches_single_process(name):
 def test_pp2_with_dp_and_tp_matches_single_process():
     """World 4: pp=2 x dp=2 (GPipe) and pp=2 x tp=2 (1F1B) on the tied GPT."""
     case = models.tiny_gpt(batch=8, seq=16)
-    batches = _batches(case)
+    batches = models.zoo_batches(case, STEPS)
     kws = [dict(mesh=autopar.Mesh((2, 2), axis_names=("pp", "dp")), strategy="dp", schedule="gpipe"),
            dict(mesh=autopar.Mesh((2, 2), axis_names=("pp", "tp")), strategy="tp", schedule="1f1b")]
     results = run_distributed(train_pipelined, 4, case.model, batches, STEPS, kws, timeout=900)
@@ -198,7 +179,7 @@ def test_num_stages_auto_searches_layouts_and_trains_like_one_process():
     spmd = autopar.plan(case.model, case.example_inputs, mesh=autopar.Mesh((2,)), baselines=False)
     assert searched.predicted_step_time <= spmd.predicted_step_time * (1 + 1e-9)
     assert any(name.startswith("pp2") for name in searched.baselines), searched.baselines   # pp=2 was priced
-    batches = _batches(case)
+    batches = models.zoo_batches(case, STEPS)
     kws = [dict(num_stages="auto")]
     results = run_distributed(train_pipelined, 2, case.model, batches, STEPS, kws, timeout=600)
     ref_losses, ref_state = train_reference(case.model, batches, STEPS)
