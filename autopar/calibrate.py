@@ -3,14 +3,24 @@
 Run on every rank under torchrun (gloo on CPU, NCCL on CUDA: the same code, the device follows the
 backend). For each mesh axis, every rank times all_reduce, all_gather, reduce_scatter, all_to_all
 and send/recv inside its own axis group over a range of message sizes B; a time is the slowest
-rank's median. Each (link kind, collective) is then fitted to the alpha-beta formula of
+rank's mean (a step's collectives add up, so their occasional slow calls count). Each (link kind, collective) is then fitted to the alpha-beta formula of
 `costmodel.comm`, which is linear in alpha and 1/beta:
 
     t(n, B) = hops(n)·α + bw(n)·B·(1/β)      (least squares, weighted by 1/t: relative error)
 
 Compute is timed the same way: square matmuls give the achieved FLOP/s (-> `compute_efficiency`
-against the base preset's peak), pointwise ops the effective memory bandwidth, a tiny op the
-per-launch overhead, and attention its FLOP/s (printed; the cost model prices it as a matmul).
+against the base preset's peak), attention its FLOP/s (printed; the cost model prices it as a
+matmul), exp, tanh and gelu the `transcendental_rate` (elements/s), and pointwise ops over sizes
+from 64 elements to 1M the per-launch overhead and the memory bandwidth, by the same kind of fit
+(`fit_line`):
+
+    t(M) = o + M·(1/W)            (M bytes read and written)
+
+All compute is timed as sustained streams (`_sustained_time`): on a shared machine a burst after
+a pause runs faster than a step that keeps the core busy. The per-parameter work of a step
+(zero_grad, `to_local()`, the gradient's DTensor wrapping, AdamW's step) is timed on K tiny
+DTensor parameters (what `ParallelModule` hands torch.optim) for several K; the slope of t(K) is
+`param_step_overhead`, the seconds each parameter tensor adds beyond its bytes.
 The result is a `HardwareSpec`; `HardwareSpec.save` writes the JSON that `Mesh(hardware=path)` reads.
 """
 from __future__ import annotations
@@ -58,15 +68,19 @@ class Calibration:
     samples: tuple[Sample, ...]
     matmul_flops: float        # achieved FLOP/s of the square matmuls (median)
     attention_flops: float     # achieved FLOP/s of causal attention
-    mem_bandwidth: float       # effective bytes/s of pointwise ops (median)
-    op_overhead: float         # seconds per tiny op
+    mem_bandwidth: float       # effective bytes/s of pointwise ops (fitted)
+    op_overhead: float         # seconds per op (fitted intercept)
+    param_step_overhead: float = 0.0   # seconds per DTensor parameter tensor per step (fitted slope)
+    transcendental_rate: float = 0.0   # elements/s of exp, tanh and gelu (median)
 
     def summary(self) -> str:
         """A short table of the fitted links and compute figures."""
         lines = [f"profile {self.spec.name}: matmul {self.matmul_flops / 1e9:.1f} GFLOP/s "
                  f"(efficiency {self.spec.compute_efficiency:.2f} of {self.spec.flops('float32') / 1e9:.0f}),"
                  f" attention {self.attention_flops / 1e9:.1f} GFLOP/s, pointwise "
-                 f"{format_bytes(self.mem_bandwidth)}/s, op overhead {format_seconds(self.op_overhead)}"]
+                 f"{format_bytes(self.mem_bandwidth)}/s, exp/tanh/gelu {self.transcendental_rate / 1e6:.0f} M elements/s, "
+                 f"op overhead {format_seconds(self.op_overhead)}, "
+                 f"{format_seconds(self.param_step_overhead)} per parameter tensor per step"]
         for link_kind, fits in self.spec.collectives.items():
             for kind, link in fits.items():
                 lines.append(f"  {link_kind:<6}{kind:<16} alpha {format_seconds(link.latency):>9}  "
@@ -98,6 +112,24 @@ def fit_alpha_beta(kind: str, samples: Sequence[tuple[int, float, float]]) -> Li
     return LinkSpec(bandwidth=1.0 / float(inv_beta), latency=float(alpha))
 
 
+def fit_line(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of t = intercept + slope·x, both clamped to >= 0.
+
+    Rows are weighted by 1/t (relative error), so the small sizes fix the intercept (a fixed
+    per-call overhead) as much as the large ones fix the slope (seconds per byte or per item)."""
+    rows = [(float(x), float(t)) for x, t in zip(xs, ts) if t > 0]
+    if len({x for x, _ in rows}) < 2:
+        raise InputError(f"a line fit needs timings at 2 or more distinct sizes, got {len(rows)}")
+    x, t = np.array([r[0] for r in rows]), np.array([r[1] for r in rows])
+    w = 1.0 / t
+    (intercept, slope), *_ = np.linalg.lstsq(np.stack([w, x * w], 1), t * w, rcond=None)
+    if intercept < 0:
+        return 0.0, max(0.0, float(np.sum(x * w * t * w) / np.sum((x * w) ** 2)))
+    if slope < 0:
+        return float(np.sum(w * t * w) / np.sum(w ** 2)), 0.0
+    return float(intercept), float(slope)
+
+
 def fit_links(samples: Sequence[Sample]) -> dict[str, dict[str, LinkSpec]]:
     """Per link kind and collective kind, the alpha-beta fit of its samples."""
     out: dict[str, dict[str, LinkSpec]] = {}
@@ -112,8 +144,11 @@ def fit_links(samples: Sequence[Sample]) -> dict[str, dict[str, LinkSpec]]:
 
 def build_profile(base: HardwareSpec, samples: Sequence[Sample], *, matmul_flops: float,
                   mem_bandwidth: float, op_overhead: float, devices_per_node: int | None,
-                  dtype: str = "float32", name: str | None = None) -> HardwareSpec:
-    """The calibrated spec: base's capacity, measured compute, fitted links (base's where unmeasured)."""
+                  dtype: str = "float32", name: str | None = None,
+                  param_step_overhead: float | None = None,
+                  transcendental_rate: float | None = None) -> HardwareSpec:
+    """The calibrated spec: base's capacity, measured compute, fitted links (base's where unmeasured;
+    the per-tensor step overhead and the transcendental rate too when not measured)."""
     peak = max(base.flops(dtype), matmul_flops)
     fits = fit_links(samples)
     generic = {lk: fits[lk].get("all_reduce") or next(iter(fits[lk].values()))
@@ -123,7 +158,9 @@ def build_profile(base: HardwareSpec, samples: Sequence[Sample], *, matmul_flops
         peak_flops={**base.peak_flops, dtype: peak}, mem_bandwidth=mem_bandwidth,
         intra_node=generic.get("intra", base.intra_node), inter_node=generic.get("inter", base.inter_node),
         devices_per_node=devices_per_node, compute_efficiency=min(1.0, matmul_flops / peak),
-        collectives=fits, op_overhead=op_overhead)
+        collectives=fits, op_overhead=op_overhead,
+        param_step_overhead=base.param_step_overhead if param_step_overhead is None else param_step_overhead,
+        transcendental_rate=base.transcendental_rate if transcendental_rate is None else transcendental_rate)
 
 
 # --- measuring (every rank runs these in the same order) -------------------------------------------
@@ -133,23 +170,41 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_time(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 1) -> float:
+def _mean_time(fn: Callable[[], object], device: torch.device, iters: int) -> float:
+    """Mean seconds of `iters` calls after one warm-up; the same number of calls on every rank, so
+    collectives can be timed."""
     with warnings.catch_warnings():   # torch's deprecation notes on *_into_tensor / *_tensor names
         warnings.simplefilter("ignore", FutureWarning)
-        return _median_time_quiet(fn, device, iters, warmup)
-
-
-def _median_time_quiet(fn, device: torch.device, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
         fn()
         _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        _sync(device)
+        return (time.perf_counter() - t0) / iters
+
+
+def _sustained_time(fn: Callable[[], object], device: torch.device, iters: int,
+                    min_seconds: float = 0.05) -> float:
+    """Mean seconds per call of `fn` run back to back for at least `min_seconds`, median of `iters`
+    such runs. A training step keeps the core busy for its whole length; on a shared machine a
+    short burst after a pause runs faster than that (the scheduler favours a task that slept), so
+    short ops are timed as a sustained stream, like the step runs them."""
+    fn()
+    _sync(device)
+    runs = []
+    for _ in range(iters):
+        calls, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            if calls & (calls - 1) == 0:   # check the clock (and sync) at 1, 2, 4, 8, ... calls
+                _sync(device)
+                elapsed = time.perf_counter() - t0
+                if elapsed >= min_seconds:
+                    break
+        runs.append(elapsed / calls)
+    return statistics.median(runs)
 
 
 def _collective_fns(kind: str, nbytes: int, group, pos: int, ranks: list[int], device: torch.device):
@@ -207,7 +262,7 @@ def measure_collectives(mesh: Mesh, sizes: Sequence[int], iters: int, device: to
             for nbytes in sizes:
                 fn = _collective_fns(kind, nbytes, group, ranks.index(dist.get_rank()), ranks, device)
                 dist.barrier()
-                local.append(_median_time(fn, device, iters))
+                local.append(_mean_time(fn, device, iters))
                 plan.append((kind, link_kind, len(ranks), nbytes))
     slowest = torch.tensor(local, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -223,30 +278,67 @@ def measure_compute(device: torch.device, iters: int, dtype: torch.dtype, progre
     rates = []
     for d in dims:
         a, b = torch.randn(d, d, device=device, dtype=dtype), torch.randn(d, d, device=device, dtype=dtype)
-        rates.append(2 * d ** 3 / _median_time(lambda: a @ b, device, iters))
+        rates.append(2 * d ** 3 / _sustained_time(lambda: a @ b, device, iters))
     bh, s, hd = (16, 2048, 128) if big else (8, 128 if quick else 256, 64)
     q = torch.randn(1, bh, s, hd, device=device, dtype=dtype)
-    t = _median_time(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), device, iters)
+    t = _sustained_time(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), device, iters)
     attention = 4 * bh * s * s * hd / 2 / t   # causal: half of the two s×s×hd matmuls
-    numel = (1 << 24) if big else (1 << 18 if quick else 1 << 20)
-    x, y = torch.randn(numel, device=device, dtype=dtype), torch.randn(numel, device=device, dtype=dtype)
-    nb = numel * x.element_size()
-    bandwidths = [3 * nb / _median_time(lambda: x + y, device, iters),
-                  2 * nb / _median_time(lambda: F.gelu(x), device, iters),
-                  2 * nb / _median_time(lambda: x * 0.5, device, iters)]
-    tiny = torch.ones(8, device=device, dtype=dtype)
-    overhead = _median_time(lambda: [tiny + tiny for _ in range(100)], device, max(3, iters)) / 100
+    numel = 1 << (24 if big else 18 if quick else 20)
+    overhead, bandwidth = measure_pointwise(device, iters, dtype, numel)
+    x = torch.randn(numel, device=device, dtype=dtype)
+    special = statistics.median(numel / _sustained_time(lambda: op(x), device, iters)
+                                for op in (torch.exp, torch.tanh, F.gelu))
     return {"matmul": statistics.median(rates), "attention": attention,
-            "bandwidth": statistics.median(bandwidths), "overhead": overhead}
+            "bandwidth": bandwidth, "overhead": overhead, "transcendental": special}
+
+
+def measure_pointwise(device: torch.device, iters: int, dtype: torch.dtype, max_numel: int) -> tuple[float, float]:
+    """(seconds per op, bytes/s): `fit_line` over sizes 64 .. max_numel elements of x + y and
+    x * 0.5 (bytes = inputs + output), the mean of the two fits; each size is a sustained stream
+    of calls (`_sustained_time`)."""
+    numels = sorted({n for n in (64, 1024, 16384, 262144, max_numel) if n <= max_numel})
+    fits = []
+    for op, tensors in ((torch.add, 3), (lambda x, y: x * 0.5, 2)):
+        sizes, times = [], []
+        for numel in numels:
+            x, y = torch.randn(numel, device=device, dtype=dtype), torch.randn(numel, device=device, dtype=dtype)
+            times.append(_sustained_time(lambda: op(x, y), device, iters))
+            sizes.append(tensors * numel * x.element_size())
+        fits.append(fit_line(sizes, times))
+    overhead = statistics.fmean(f[0] for f in fits)
+    return overhead, 1.0 / max(statistics.fmean(f[1] for f in fits), 1e-15)
+
+
+def measure_param_step(device: torch.device, iters: int, counts: Sequence[int] = (4, 16, 64)) -> float:
+    """Seconds per parameter tensor of what a training step does once per DTensor parameter, on
+    tiny replicated parameters of a 1-D mesh of the world: `zero_grad`, `to_local()` in forward,
+    the gradient wrapped back into a DTensor in backward, and `torch.optim.AdamW().step()` (default
+    options). The slope of `fit_line` over `counts` tensors; their bytes are negligible, so the
+    slope is the per-tensor dispatch cost."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    device_mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    times = []
+    for count in counts:
+        params = [torch.nn.Parameter(distribute_tensor(torch.ones(16, device=device), device_mesh, [Replicate()]))
+                  for _ in range(count)]
+        opt = torch.optim.AdamW(params, lr=1e-3)
+
+        def step(params=params, opt=opt):
+            opt.zero_grad(set_to_none=True)
+            torch.stack([p.to_local().sum() for p in params]).sum().backward()
+            opt.step()
+        times.append(_sustained_time(step, device, iters))
+    return fit_line(counts, times)[1]
 
 
 def _slowest(values: dict[str, float]) -> dict[str, float]:
     """Every rank's figures agreed: the slowest rank's (min rate, max overhead) so all get one spec."""
-    t = torch.tensor([-values["matmul"], -values["attention"], -values["bandwidth"], values["overhead"]],
-                     dtype=torch.float64)
+    rates = ("matmul", "attention", "bandwidth", "transcendental")
+    names = sorted(values)
+    t = torch.tensor([-values[k] if k in rates else values[k] for k in names], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return {"matmul": -t[0].item(), "attention": -t[1].item(), "bandwidth": -t[2].item(),
-            "overhead": t[3].item()}
+    return {k: -v if k in rates else v for k, v in zip(names, t.tolist())}
 
 
 def default_base(device: torch.device) -> HardwareSpec:
@@ -282,12 +374,15 @@ def calibrate(mesh_shape: Sequence[int] | None = None, *, sizes: Sequence[int] =
     say = progress or (_print_progress if dist.get_rank() == 0 else (lambda msg: None))
     samples = measure_collectives(mesh, sorted(sizes), iters, device, say)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    figures = _slowest(measure_compute(device, iters, dtype, say, quick_compute))
+    figures = measure_compute(device, iters, dtype, say, quick_compute)
+    say("per-parameter step work: zero_grad, to_local, backward, AdamW over 4, 16, 64 DTensor parameters")
+    figures = _slowest({**figures, "param_step": measure_param_step(device, iters)})
     spec = build_profile(base_spec, samples, matmul_flops=figures["matmul"], mem_bandwidth=figures["bandwidth"],
                          op_overhead=figures["overhead"], devices_per_node=dpn,
-                         dtype="bfloat16" if device.type == "cuda" else "float32")
+                         dtype="bfloat16" if device.type == "cuda" else "float32",
+                         param_step_overhead=figures["param_step"], transcendental_rate=figures["transcendental"])
     return Calibration(spec, tuple(samples), figures["matmul"], figures["attention"], figures["bandwidth"],
-                       figures["overhead"])
+                       figures["overhead"], figures["param_step"], figures["transcendental"])
 
 
 def _device() -> torch.device:

@@ -4,6 +4,8 @@
     bias added once) expressible; a single addmm cannot take a contraction split.
   * parameter views used by the backward get their own copy: a ZeRO-3 plan then gathers the weight
     again in backward instead of silently keeping the forward's gathered copy alive.
+  * dropout masks that backward reads are saved as torch.bool and rebuilt in backward by the same
+    ops, bit for bit (`autopar/dropout_masks.py`): 1 byte per element, as Megatron keeps them.
   * nodes without users and without effects are dropped.
 Meta (val, phase, module_path) is carried onto every node made here, with meta["autopar_pass"].
 """
@@ -91,7 +93,9 @@ def split_param_views(gm: fx.GraphModule) -> int:
 
 def canonicalize(gm: fx.GraphModule) -> dict[str, int]:
     """Apply every canonicalisation in place; returns counts of what changed."""
-    stats = {"split_addmm": split_addmm(gm), "split_param_views": split_param_views(gm)}
+    from autopar.dropout_masks import save_bool_masks  # it uses this module's helpers
+    stats = {"split_addmm": split_addmm(gm), "split_param_views": split_param_views(gm),
+             "bool_masks": save_bool_masks(gm)}
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()

@@ -3,7 +3,9 @@
 Cost-graph nodes are the graph's placeholders and ops (getitem nodes select an output of their
 producer and are folded into edges). For strategy s of node v:
     time[v, s]   = roofline(local FLOPs, local bytes)  + node-local collectives
-                   (zero1/2 parameter all-gather, the loss all-reduce to Replicate)
+                   (zero1/2 parameter all-gather, the loss all-reduce to Replicate); for a
+                   trainable parameter, its optimizer step: state bytes / bandwidth + the
+                   hardware's per-tensor `param_step_overhead`
     memory[v, s] = parameter + gradient + optimizer bytes (parameters), or the local bytes of
                    outputs saved for backward (forward ops whose value a backward op reads)
 Edge (u, v): time[a, b] = reshard(u's output spec under a -> v's required input spec under b).
@@ -98,11 +100,16 @@ def _node_compute(node: fx.Node, strats: list[NodeStrategy], hw, axis_sizes) -> 
     outs = out if isinstance(out, (tuple, list)) else (out,)
     out_bytes = [nbytes_of(o) for o in outs]
     dtype = next((o.dtype for o in outs if isinstance(o, torch.Tensor)), torch.float32)
+    # exp-class ops: one transcendental per output element
+    out_elements = [float(o.numel()) if isinstance(o, torch.Tensor) and compute.is_transcendental(node.target)
+                    else 0.0 for o in outs]
     times = np.empty(len(strats))
     for k, s in enumerate(strats):
         local = sum(b * local_fraction(spec, axis_sizes) for b, spec in zip(in_bytes, s.ins))
         local += sum(b * local_fraction(spec, axis_sizes) for b, spec in zip(out_bytes, s.outs) if spec is not None)
-        times[k] = compute.op_time(flops / split_factor(s, axis_sizes), local, hw, dtype)
+        elements = sum(e * local_fraction(spec, axis_sizes) for e, spec in zip(out_elements, s.outs)
+                       if spec is not None)
+        times[k] = compute.op_time(flops / split_factor(s, axis_sizes), local, hw, dtype, elements)
     return times
 
 
@@ -239,9 +246,10 @@ class ProblemBuilder:
                 mem[cat][k] = b
             if s.outs[0] != s.master:  # zero1/2: gather the updated master once per step (bucketed)
                 comm[k] = self.reshard.time(s.master, s.outs[0], nbytes, bucketed=True)
-            if trainable:  # optimizer step: read p, g, states; write p, states (memory bound)
+            if trainable:  # optimizer step: read p, g, states; write p, states (memory bound), plus
+                # the fixed per-tensor cost of a step on a DTensor parameter (the same for every spec)
                 touched = (3 * nbytes + val.numel() * 2 * opt_bytes) * local_fraction(s.master, self.axis_sizes)
-                times[k] = touched / self.hw.mem_bandwidth
+                times[k] = touched / self.hw.mem_bandwidth + self.hw.param_step_overhead
         return times
 
     def _data_edges(self, prob: Problem) -> None:

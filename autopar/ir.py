@@ -16,6 +16,9 @@
                   + gradient collectives and ZeRO-1/2 parameter gathers may be fused (fused_all_reduce
                   / fused_reduce_scatter / fused_all_gather nodes listing the logical collectives they
                   carry in meta["autopar_fused"]).
+    bucket_layer_gathers
+                  + parameter all-gathers may be fused per (phase, layer) into fused_all_gather nodes
+                  placed before their first use (same meta["autopar_fused"]).
     localize_shapes
                   + the program runs on LOCAL shapes: propagating fake tensors of each input's
                   local shape (parameters: the plan's master shard) gives every planned op the
@@ -34,7 +37,7 @@ COLLECTIVES = {c10d.all_gather_into_tensor.default, c10d.all_reduce.default, c10
                c10d.all_to_all_single.default}
 
 
-LOCAL_PASSES = ("lower_collectives", "bucket_collectives")  # their nodes are born local: no global val
+LOCAL_PASSES = ("lower_collectives", "bucket_collectives", "bucket_layer_gathers")  # nodes born local: no global val
 
 
 class IRError(AssertionError):
@@ -50,6 +53,7 @@ def verify(gm: fx.GraphModule, stage: str, ctx=None) -> None:
         "insert_redistribute": (_captured, _planned, _consistent),
         "lower_collectives": (_captured, _lowered),
         "bucket_collectives": (_captured, _lowered),
+        "bucket_layer_gathers": (_captured, _lowered),
         "localize_shapes": (_captured, _lowered, _local),
     }
     if stage not in checks:

@@ -13,6 +13,12 @@ Steps (`plan_pipelined_captured`, after the micro-batch graph is captured):
 
 Defaults: schedule "1f1b"; num_microbatches = num_stages (the least that keeps every stage busy in
 the steady state; more micro-batches shrink the bubble (p-1)/(m+p-1) but each is smaller).
+
+Interleaved 1F1B (`schedule="interleaved_1f1b"`, `virtual_stages=v`, default
+`pipeline_search.INTERLEAVE` = 2; `v` in autopar/stages.py): the units are split into p*v chunks and
+device d holds chunks d, d+p, ... (torch's "loop" placement). `Plan.stages` then lists one StagePlan per
+chunk (its index is the chunk's, its ranks its device's, its memory the chunk's share of the device);
+`chunks_per_device(plan)` reads v back. The schedule runs whole rounds of p micro-batches: m % p == 0.
 """
 from __future__ import annotations
 
@@ -26,11 +32,13 @@ from autopar.costing import ProblemBuilder
 from autopar.costmodel.memory import parse_bytes
 from autopar.errors import InputError, MeshError
 from autopar.mesh import Mesh
+from autopar.pipeline_search import INTERLEAVE   # chunks per device the search prices (stages.py's v)
 from autopar.plan import ParamPlacement, NodeChoice, Plan, StagePlan
 
 PP = "pp"
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 DEFAULT_SCHEDULE = "1f1b"
+INTERLEAVED = "interleaved_1f1b"
 
 
 def pipeline_mesh(mesh: Mesh, num_stages: int | None) -> Mesh:
@@ -57,15 +65,33 @@ def sub_mesh(mesh: Mesh) -> Mesh:
     return Mesh(mesh.shape[1:], mesh.axis_names[1:], mesh.hardware, mesh.devices_per_node)
 
 
-def resolve(num_stages, num_microbatches, schedule) -> tuple[int, str]:
-    """(micro-batch count, schedule name) with the documented defaults; refuses unknown schedules."""
+def resolve(num_stages, num_microbatches, schedule, virtual_stages=None) -> tuple[int, str, int]:
+    """(micro-batch count, schedule name, chunks per device) with the documented defaults; refuses
+    unknown schedules and micro-batch counts the interleaved schedule cannot run."""
     schedule = DEFAULT_SCHEDULE if schedule is None else schedule
     if schedule not in SCHEDULES:
         raise InputError(f"schedule={schedule!r}: one of {SCHEDULES}")
     m = num_stages if num_microbatches is None else num_microbatches
     if not isinstance(m, int) or m < 1:
         raise InputError(f"num_microbatches must be a positive int, got {m!r}")
-    return m, schedule
+    if schedule != INTERLEAVED:
+        if virtual_stages not in (None, 1):
+            raise InputError(f"virtual_stages={virtual_stages!r} applies to schedule='{INTERLEAVED}' only")
+        return m, schedule, 1
+    v = INTERLEAVE if virtual_stages is None else virtual_stages
+    if not isinstance(v, int) or v < 1:
+        raise InputError(f"virtual_stages (chunks per device) must be a positive int, got {v!r}")
+    if m % num_stages:
+        near = sorted({num_stages * max(1, m // num_stages), num_stages * (m // num_stages + 1)})
+        raise InputError(f"schedule='{INTERLEAVED}' runs whole rounds of {num_stages} micro-batches (one per "
+                         f"stage); num_microbatches={m} is not a multiple of {num_stages}: pass num_microbatches="
+                         + " or ".join(map(str, near)))
+    return m, schedule, v
+
+
+def chunks_per_device(plan: Plan) -> int:
+    """v: how many chunks (virtual stages) each pipeline device holds (1 unless interleaved)."""
+    return max(1, len(plan.stages) // plan.mesh.shape[0]) if plan.stages else 1
 
 
 def microbatch(example_inputs: tuple, m: int) -> tuple:
@@ -81,27 +107,30 @@ def microbatch(example_inputs: tuple, m: int) -> tuple:
 
 
 def plan_pipelined(model, example_inputs, *, mesh, num_stages=None, num_microbatches=None, schedule=None,
-                   example_kwargs=None, loss_fn=None, **kw) -> Plan:
+                   virtual_stages=None, example_kwargs=None, loss_fn=None, **kw) -> Plan:
     """`autopar.plan` for a forced pipeline: capture the micro-batch graph, then plan it."""
     from autopar.canonicalize import canonicalize
     from autopar.capture import capture
     mesh = pipeline_mesh(mesh if isinstance(mesh, Mesh) else Mesh(mesh), num_stages)
-    m, schedule = resolve(mesh.shape[0], num_microbatches, schedule)
+    m, schedule, v = resolve(mesh.shape[0], num_microbatches, schedule, virtual_stages)
     micro = microbatch(tuple(example_inputs), m)
     micro_kwargs = microbatch((example_kwargs,), m)[0] if example_kwargs else example_kwargs
     captured = capture(model, micro, example_kwargs=micro_kwargs, loss_fn=loss_fn)
     canonicalize(captured.gm)
-    return plan_pipelined_captured(captured, model, micro, mesh=mesh, num_microbatches=m, schedule=schedule, **kw)
+    return plan_pipelined_captured(captured, model, micro, mesh=mesh, num_microbatches=m, schedule=schedule,
+                                   virtual_stages=v, **kw)
 
 
 def plan_pipelined_captured(captured, model, micro_inputs, *, mesh: Mesh, num_microbatches: int, schedule: str,
                             strategy="auto", memory_budget=None, optimizer: str = "adamw", time_limit=None,
-                            baselines: bool = False, timer=None) -> Plan:
+                            baselines: bool = False, timer=None, virtual_stages: int | None = None) -> Plan:
     """A pipelined Plan for the captured MICRO-BATCH graph on `mesh` (axis 0 "pp"). The search
-    (autopar.pipeline_search) calls this once it has chosen p, m and the schedule."""
+    (autopar.pipeline_search) calls this once it has chosen p, m and the schedule; `virtual_stages`
+    (interleaved only) defaults to pipeline_search.INTERLEAVE, as the search prices it."""
     from autopar.layer_profile import layer_costs
     from autopar.stages import partition
     assert mesh.axis_names[0] == PP, mesh
+    _, _, v = resolve(mesh.shape[0], num_microbatches, schedule, virtual_stages)
     sub = sub_mesh(mesh)
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     wanted = planner.recipes.normalize(strategy, sub)
@@ -116,29 +145,34 @@ def plan_pipelined_captured(captured, model, micro_inputs, *, mesh: Mesh, num_mi
         sol, reason = planner._solve_requested(prob, captured, sub, wanted, solutions, time_limit)
     spmd = planner._assemble(prob, captured, sub, strategy, wanted, None, sol, reason, table, timer, model,
                              micro_inputs)
-    with timer("stages"):             # exact contiguous split of the units into p stages
+    with timer("stages"):             # exact contiguous split of the units into p stages (p*v chunks)
         layers = layer_costs(prob, sol.choice, captured)
         p2p = lambda nbytes: mesh.collective_time("send_recv", nbytes, PP)  # noqa: E731
-        split = partition(layers, mesh.shape[0], num_microbatches, schedule, p2p_time=p2p, memory_budget=budget)
-    return widen(spmd, mesh, layers, split, num_microbatches, schedule, budget, captured)
+        split = partition(layers, mesh.shape[0], num_microbatches, schedule, p2p_time=p2p, memory_budget=budget,
+                          v=v)
+    return widen(spmd, mesh, layers, split, num_microbatches, schedule, budget, captured, v)
 
 
-def widen(spmd: Plan, mesh: Mesh, layers, split, m: int, schedule: str, budget, captured) -> Plan:
-    """The SPMD plan of one stage -> the pipelined plan: "R" on the pp axis everywhere, stages, step time."""
-    p, per_stage = mesh.shape[0], int(np.prod(mesh.shape[1:]))
+def widen(spmd: Plan, mesh: Mesh, layers, split, m: int, schedule: str, budget, captured,
+          virtual_stages: int = 1) -> Plan:
+    """The SPMD plan of one stage -> the pipelined plan: "R" on the pp axis everywhere, stages (one per
+    chunk when interleaved: chunk k on device k % p), step time."""
+    p, per_stage, chunks = mesh.shape[0], int(np.prod(mesh.shape[1:])), mesh.shape[0] * virtual_stages
     bounds = list(split.bounds) + [len(layers)]
+    chunk_memory = (split.stage_memory if virtual_stages == 1 else
+                    _chunk_memory(layers, bounds, schedule, p, m, virtual_stages))
     stages = tuple(StagePlan(index=k, modules=tuple(l.name for l in layers[bounds[k]:bounds[k + 1]]),
-                             ranks=tuple(range(k * per_stage, (k + 1) * per_stage)),
-                             predicted_time=float(split.stage_times[k]), memory=float(split.stage_memory[k]))
-                   for k in range(p))
+                             ranks=tuple(range((k % p) * per_stage, (k % p + 1) * per_stage)),
+                             predicted_time=float(split.stage_times[k]), memory=float(chunk_memory[k]))
+                   for k in range(chunks))
     R = ("R",)
     params = {n: ParamPlacement(v.name, v.shape, R + tuple(v.use), R + tuple(v.master), R + tuple(v.grad),
                                 ("dp",) + tuple(v.modes)) for n, v in spmd.params.items()}
     nodes = {n: NodeChoice(tuple(None if o is None else R + tuple(o) for o in v.outs),
                            tuple(None if i is None else R + tuple(i) for i in v.ins), v.module, v.phase)
              for n, v in spmd.nodes.items()}
-    fullest = int(np.argmax(split.stage_memory))
-    share = sum(l.state_bytes for l in layers[bounds[fullest]:bounds[fullest + 1]]) / max(
+    fullest = int(np.argmax(split.stage_memory))   # a device: its chunks are fullest, fullest + p, ...
+    share = sum(l.state_bytes for k in range(fullest, chunks, p) for l in layers[bounds[k]:bounds[k + 1]]) / max(
         sum(l.state_bytes for l in layers), 1.0)
     state = {k: v * share for k, v in spmd.memory_breakdown.items() if k != "activations"}
     breakdown = {**state, "activations": max(0.0, float(split.stage_memory[fullest]) - sum(state.values()))}
@@ -153,6 +187,18 @@ def widen(spmd: Plan, mesh: Mesh, layers, split, m: int, schedule: str, budget, 
         memory_per_device=float(max(split.stage_memory)), memory_breakdown=breakdown, memory_budget=budget,
         feasible=not reason, infeasible_reason=reason, fingerprint=planner.fingerprint(captured, mesh),
         solver={**spmd.solver, "bubble_fraction": float(split.bubble_fraction)})
+
+
+def _chunk_memory(layers, bounds: list[int], schedule: str, p: int, m: int, v: int) -> list[float]:
+    """Bytes per device of each interleaved chunk: its state plus its share of the device's in-flight
+    activations (`stages.partition`'s count; a device's memory is the sum over its chunks)."""
+    from autopar.stages import in_flight
+    out = []
+    for k in range(p * v):
+        units = layers[bounds[k]:bounds[k + 1]]
+        count = in_flight(schedule, p, m, k % p, v) / v
+        out.append(sum(l.state_bytes for l in units) + count * sum(l.activation_bytes for l in units))
+    return out
 
 
 def stage_plan(plan: Plan) -> Plan:

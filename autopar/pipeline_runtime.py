@@ -6,8 +6,11 @@ its own stage: its parameters (DTensors on the sub-mesh, nowhere else) and a `_S
 forward is an autograd.Function running the stage's forward program (saving what its backward reads)
 and whose backward runs the backward program (boundary gradients in, input-activation and parameter
 gradients out). torch.distributed.pipelining's PipelineStage and ScheduleGPipe / Schedule1F1B run
-the micro-batches. A parameter used by several stages (a tied embedding) lives on each and its
-gradient is all-reduced between them after the schedule (Megatron's embedding group).
+the micro-batches; an interleaved plan (p*v chunks, rank d holding chunks d, d+p, ...) builds one
+PipelineStage per chunk it holds and runs them with ScheduleInterleaved1F1B. A parameter used by
+several stages (a tied embedding) lives once on each rank that holds one of them (shared by that
+rank's chunks, whose contributions autograd sums) and its gradient is all-reduced between those
+ranks after the schedule (Megatron's embedding group).
 
 `train_step(*inputs)` returns the mean loss over the micro-batches (the full-batch loss for a mean
 loss) on every rank and leaves gradients, averaged over micro-batches, in p.grad for
@@ -20,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import distribute_tensor
 
 from autopar import pipeline_plan as pp
@@ -36,13 +39,15 @@ from autopar.plan import Plan
 from autopar.planner import fingerprint
 from autopar.runtime import _distinct, _local_slice, _set
 
-SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+MULTI_STAGE = ("interleaved_1f1b",)   # schedules that take a list of this rank's PipelineStages
 
 
 def autoparallelize_pipelined(model: nn.Module, example_inputs: tuple, *, mesh: Mesh, plan: Plan | None,
-                              num_stages=None, num_microbatches=None, schedule=None, example_kwargs=None,
-                              loss_fn=None, verify: bool = False, device_type: str = "cpu", device: str = "cpu",
-                              broadcast=None, mixed_precision=None, recompute=None, **plan_kw) -> "PipelinedModule":
+                              num_stages=None, num_microbatches=None, schedule=None, virtual_stages=None,
+                              example_kwargs=None, loss_fn=None, verify: bool = False, device_type: str = "cpu",
+                              device: str = "cpu", broadcast=None, mixed_precision=None, recompute=None,
+                              **plan_kw) -> "PipelinedModule":
     """The pipelined branch of `autopar.autoparallelize` (called with the resolved mesh of the world)."""
     if mixed_precision is not None or recompute not in (None, "none"):
         raise InputError("mixed_precision and recompute are not supported with pipelined plans yet")
@@ -52,15 +57,19 @@ def autoparallelize_pipelined(model: nn.Module, example_inputs: tuple, *, mesh: 
     if plan is not None and num_stages is None:
         num_stages = plan.mesh.shape[0]
     mesh = plan.mesh if plan is not None else pp.pipeline_mesh(mesh, num_stages)
-    m, schedule = pp.resolve(mesh.shape[0], num_microbatches or (plan.num_microbatches if plan else None),
-                             schedule or (plan.schedule if plan else None))
+    if plan is not None and virtual_stages not in (None, pp.chunks_per_device(plan)):
+        raise InputError(f"virtual_stages={virtual_stages} but the plan has {pp.chunks_per_device(plan)} chunks per "
+                         "device; drop virtual_stages or re-plan")
+    m, schedule, v = pp.resolve(mesh.shape[0], num_microbatches or (plan.num_microbatches if plan else None),
+                                schedule or (plan.schedule if plan else None),
+                                virtual_stages or (pp.chunks_per_device(plan) if plan else None))
     micro = pp.microbatch(tuple(example_inputs), m)
     micro_kwargs = pp.microbatch((example_kwargs,), m)[0] if example_kwargs else example_kwargs
     captured = capture(model, micro, example_kwargs=micro_kwargs, loss_fn=loss_fn)
     canonicalize(captured.gm)
     if plan is None:
         plan = broadcast(lambda: pp.plan_pipelined_captured(captured, model, micro, mesh=mesh, num_microbatches=m,
-                                                            schedule=schedule, **plan_kw))
+                                                            schedule=schedule, virtual_stages=v, **plan_kw))
     plan.check_matches(fingerprint(captured, mesh), mesh)
     device_mesh = init_device_mesh(device_type, tuple(mesh.shape), mesh_dim_names=tuple(mesh.axis_names))
     sub_dm = device_mesh[tuple(mesh.axis_names[1:])]
@@ -142,8 +151,9 @@ class _StageModule(nn.Module):
 
 
 class PipelinedModule(nn.Module):
-    """This rank's stage of a pipelined plan: `.train_step(*inputs) -> loss`, `pmodel(*inputs)` (eval),
-    `.plan`, `.full_state_dict()`. Only this stage's parameters are registered (optimizers see them)."""
+    """This rank's stages of a pipelined plan (one, or v chunks when interleaved): `.train_step(*inputs)
+    -> loss`, `pmodel(*inputs)` (eval), `.plan`, `.full_state_dict()`. Only this rank's parameters are
+    registered, each once (optimizers see them)."""
 
     def __init__(self, model, captured, plan: Plan, programs: list[StageProgram], device_mesh, sub_dm, coords,
                  stage_plan: Plan, device: str):
@@ -151,38 +161,51 @@ class PipelinedModule(nn.Module):
         self.plan = plan
         object.__setattr__(self, "device_mesh", device_mesh)
         object.__setattr__(self, "sub_mesh", sub_dm)
-        self._stage_index, self._num_stages = coords[0], plan.mesh.shape[0]
-        self._per_stage = device_mesh.size() // self._num_stages
+        self._pp_rank, self._num_ranks = coords[0], plan.mesh.shape[0]
+        self._chunks = list(range(self._pp_rank, len(programs), self._num_ranks))   # chunks d, d+p, ...
+        self._per_stage = device_mesh.size() // self._num_ranks
         self._m, self._device, self._tied = plan.num_microbatches, torch.device(device), dict(captured.tied)
         self._input_names = list(captured.input_names)
         inputs = captured.placeholders("input")
         self._input_specs = [parse_spec(stage_plan.nodes[n.name].outs[0]) for n in inputs]
         self._input_shapes = [(int(n.meta["val"].shape[0]) * self._m, *n.meta["val"].shape[1:]) for n in inputs]
         self._coords = coords[1:]
-        program = programs[self._stage_index]
+        params, buffers = self._distribute(model, captured, [programs[k] for k in self._chunks], stage_plan)
+        last = len(programs) - 1
+        object.__setattr__(self, "_stages", [_StageModule(programs[k], params, buffers, k == last)
+                                             for k in self._chunks])
+        self._shared = _shared_groups(programs, self._pp_rank, self._num_ranks, self._per_stage, coords[1:], sub_dm)
+        pipes = [self._pipeline_stage(programs[k], mod, k, len(programs), sub_dm)
+                 for k, mod in zip(self._chunks, self._stages)]
+        # scale_grads=False: train_step divides each gradient by m once (torch scales per stage, which
+        # would divide a parameter shared by two chunks of this rank twice)
+        schedule = SCHEDULE_CLASSES[plan.schedule](pipes if plan.schedule in MULTI_STAGE else pipes[0], self._m,
+                                                   loss_fn=_loss_is_output, scale_grads=False)
+        object.__setattr__(self, "_schedule", schedule)
+
+    def _distribute(self, model, captured, programs: list[StageProgram], stage_plan: Plan) -> tuple[dict, dict]:
+        """This rank's parameters and buffers (those its programs read), each distributed once."""
         tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         params, buffers = {}, {}
-        for name in program.params:
+        for name in sorted({n for prog in programs for n in prog.params}):
             spec = list(parse_spec(stage_plan.params[name].master))
-            dt = distribute_tensor(tensors[name].detach(), sub_dm, spec)
+            dt = distribute_tensor(tensors[name].detach(), self.sub_mesh, spec)
             params[name] = nn.Parameter(dt, requires_grad=tensors[name].requires_grad)
             _set(self, name, params[name], param=True)
         buffer_specs = {n.meta["autopar_name"]: n.name for n in captured.placeholders("buffer")}
-        for name in program.buffers:
+        for name in sorted({n for prog in programs for n in prog.buffers}):
             spec = list(parse_spec(stage_plan.nodes[buffer_specs[name]].outs[0]))
-            buffers[name] = distribute_tensor(tensors[name].detach(), sub_dm, spec)
+            buffers[name] = distribute_tensor(tensors[name].detach(), self.sub_mesh, spec)
             _set(self, name, buffers[name], param=False)
-        object.__setattr__(self, "_stage", _StageModule(program, params, buffers,
-                                                        self._stage_index == self._num_stages - 1))
-        self._shared = _shared_groups(programs, self._stage_index, self._per_stage, coords[1:], sub_dm)
-        ins, outs = _examples(program, program.inputs, sub_dm, self._device), \
-            _examples(program, program.outputs, sub_dm, self._device)
-        if self._stage._is_last:
+        return params, buffers
+
+    def _pipeline_stage(self, program: StageProgram, module, index: int, num_chunks: int, sub_dm) -> PipelineStage:
+        ins = _examples(program, program.inputs, sub_dm, self._device)
+        outs = _examples(program, program.outputs, sub_dm, self._device)
+        if module._is_last:
             outs = (torch.empty((), device=self._device, requires_grad=True),)
-        pipe = PipelineStage(self._stage, self._stage_index, self._num_stages, self._device, input_args=ins,
-                             output_args=outs, group=device_mesh.get_group(0))
-        object.__setattr__(self, "_schedule", SCHEDULE_CLASSES[plan.schedule](pipe, self._m, loss_fn=_loss_is_output,
-                                                                              scale_grads=True))
+        return PipelineStage(module, index, num_chunks, self._device, input_args=ins, output_args=outs,
+                             group=self.device_mesh.get_group(0))
 
     # ------------------------------------------------------------------ running
     def _stage_inputs(self, inputs: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -203,19 +226,22 @@ class PipelinedModule(nn.Module):
         return out
 
     def _run(self, inputs: tuple, kwargs: dict, train: bool) -> torch.Tensor:
-        args = self._stage_inputs(inputs, kwargs) if self._stage_index == 0 else []
-        last = self._stage_index == self._num_stages - 1
+        args = self._stage_inputs(inputs, kwargs) if self._pp_rank == 0 else []
+        last = self._pp_rank == self._num_ranks - 1   # the last chunk's rank (chunk p*v - 1 is on rank p - 1)
         losses: list = []
         extra = dict(target=torch.zeros(self._m), losses=losses, return_outputs=False) if last else {}
         (self._schedule.step if train else self._schedule.eval)(*args, **extra)
         loss = torch.stack([x.detach() for x in losses]).mean() if last else torch.zeros(())
-        dist.broadcast(loss, src=(self._num_stages - 1) * self._per_stage)  # one source for the whole world
+        dist.broadcast(loss, src=(self._num_ranks - 1) * self._per_stage)  # one source for the whole world
         return loss
 
     def train_step(self, *inputs, **kwargs) -> torch.Tensor:
         """Forward and backward of every micro-batch: returns the mean loss (same on every rank);
         gradients (micro-batch mean, shared parameters summed across their stages) are left in p.grad."""
         loss = self._run(inputs, kwargs, train=True)
+        for param in self.parameters():
+            if param.grad is not None:
+                param.grad.div_(self._m)   # the mean over micro-batches
         for name, group in self._shared:
             grad = self.get_parameter(name).grad
             if grad is not None:
@@ -268,18 +294,18 @@ def _flat(coords, sub_dm) -> int:
     return index
 
 
-def _shared_groups(programs, stage: int, per_stage: int, coords, sub_dm) -> list:
-    """(param, process group of its copies at this sub-mesh coordinate) for each parameter this stage
-    shares with other stages. Every rank creates every group, in the same order (new_group's rule)."""
-    owners: dict[str, list[int]] = {}
+def _shared_groups(programs, pp_rank: int, num_ranks: int, per_stage: int, coords, sub_dm) -> list:
+    """(param, process group of its copies at this sub-mesh coordinate) for each parameter that chunks
+    on several pipeline ranks share (chunk k runs on rank k % num_ranks; chunks of one rank share one
+    copy). Every rank creates every group, in the same order (new_group's rule)."""
+    owners: dict[str, set[int]] = {}
     for prog in programs:
         for name in prog.shared_params:
-            owners.setdefault(name, []).append(prog.index)
+            owners.setdefault(name, set()).add(prog.index % num_ranks)
     mine, index = [], _flat(coords, sub_dm)
-    for name in sorted(owners):
+    for name in sorted(n for n, ranks in owners.items() if len(ranks) > 1):
         for j in range(per_stage):
-            group = dist.new_group([k * per_stage + j for k in owners[name]])
-            if j == index and stage in owners[name]:
+            group = dist.new_group([k * per_stage + j for k in sorted(owners[name])])
+            if j == index and pp_rank in owners[name]:
                 mine.append((name, group))
     return mine
-

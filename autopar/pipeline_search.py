@@ -15,6 +15,14 @@ memory row of pp * budget, then half of that (a stage then holds ~1/pp of the st
 candidate is called infeasible; a row the looser plan already meets is not re-solved.
 Before any capture, a model whose parameters, gradients and optimizer state exceed the budget even
 sharded over all N devices is refused (InfeasiblePlanError with that floor).
+Branch and bound (`_branch_and_bound`, on by default) keeps the search exact while skipping
+SPMD solves: a candidate is priced only if a lower bound of its step time is within the k-th
+fastest found so far (k = `exact_top`). The bounds hold for every plan of the cost model: no op or
+parameter on k devices costs less than 1/k of its one-device time (roofline on local FLOPs and
+bytes, both >= 1/k), edges cost >= 0, and the schedules' step time is >= f * S + P / pp for S the
+per-micro-batch seconds, P the per-step seconds, f = 1/v + (m - 1/v) / pp (`stages.step_lower_bound`);
+the second bound also charges the resharding of a spanning forest of the cost graph
+(`autopar.forest_bound`). `prune=False` prices every candidate (tests compare the two).
 A forced `strategy` per sub-mesh axis turns the same machinery into the hand-written recipes
 (DP, ZeRO, Megatron TP, PP x DP, FSDP x TP x PP) that benchmarks/plan_quality.py compares against.
 """
@@ -23,6 +31,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from autopar import recipes
@@ -31,14 +40,16 @@ from autopar.capture import capture
 from autopar.costing import ProblemBuilder
 from autopar.costmodel.memory import format_bytes, optimizer_state_bytes_per_param, parse_bytes
 from autopar.errors import InfeasiblePlanError, InputError
+from autopar.forest_bound import forest_lower_bound, spanning_forest
 from autopar.layer_profile import layer_costs
 from autopar.mesh import Mesh
 from autopar.solver import solve
-from autopar.stages import SCHEDULES, LayerCost, StageSplit, mesh_factorizations, partition
+from autopar.stages import SCHEDULES, LayerCost, StageSplit, mesh_factorizations, partition, step_lower_bound
 
 DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 INTERLEAVE = 2            # chunks per device for interleaved_1f1b
 INNER_TIGHTENING = (1.0, 0.5)   # inner SPMD memory rows tried, as fractions of pp * budget
+PROBLEMS_KEPT = 2         # SPMD Problems a Profiler keeps for re-solving under other memory rows
 
 
 @dataclass(frozen=True)
@@ -128,6 +139,9 @@ class Profiler:
         self.hardware, self.dpn, self.optimizer, self.time_limit = hardware, devices_per_node, optimizer, time_limit
         self.captures: dict[int, tuple] = {}
         self.profiles: dict[tuple, tuple[LayerCost, ...] | InfeasiblePlanError] = {}
+        self.problems: dict[tuple, object] = {}            # insertion-ordered: the oldest is dropped first
+        self.floors: dict[int, tuple[float, float]] = {}
+        self.forests: dict = {}                             # the spanning forest of the last Problem bounded
 
     def captured(self, m: int):
         if m not in self.captures:
@@ -141,20 +155,35 @@ class Profiler:
         axes = [(n, s) for n, s in (("dp", dp), ("tp", tp)) if s > 1] or [("dp", 1)]
         return Mesh(tuple(s for _, s in axes), tuple(n for n, _ in axes), self.hardware, self.dpn)
 
-    def layers(self, m: int, dp: int, tp: int, budget: float | None, strategy=None) -> tuple[LayerCost, ...]:
-        """The unit profile of the micro-batch graph (batch / m) planned on the (dp, tp) sub-mesh with
-        `strategy` (None: auto; else {"dp": recipe, "tp": recipe} as in autopar.plan). Raises
-        InfeasiblePlanError when the SPMD plan cannot fit the memory row `budget`."""
-        inner = dp * tp if min(dp, tp) == 1 and strategy is None else (dp, tp)
-        key = (m, inner, budget, repr(sorted(strategy.items())) if strategy else None)
-        if key not in self.profiles:
+    def problem(self, m: int, dp: int, tp: int, strategy=None):
+        """The SPMD Problem of the micro-batch graph (batch / m) on the (dp, tp) sub-mesh, `strategy`
+        forced; built once and kept while its memory rows are solved (the last PROBLEMS_KEPT)."""
+        key = (m, *self._inner(dp, tp, strategy))
+        if key not in self.problems:
             cap, _ = self.captured(m)
             mesh = self.sub_mesh(dp, tp)
             allowed = None
             if strategy:
                 wanted = recipes.normalize({a: r for a, r in strategy.items() if a in mesh.axis_names}, mesh)
                 allowed = recipes.restriction(cap.gm, wanted, tuple(mesh.shape))
-            prob = ProblemBuilder(cap, mesh, self.optimizer).build(allowed)
+            self.problems[key] = ProblemBuilder(cap, mesh, self.optimizer).build(allowed)
+            while len(self.problems) > PROBLEMS_KEPT:
+                self.problems.pop(next(iter(self.problems)))
+        return self.problems[key]
+
+    @staticmethod
+    def _inner(dp: int, tp: int, strategy) -> tuple:
+        inner = dp * tp if min(dp, tp) == 1 and strategy is None else (dp, tp)
+        return inner, repr(sorted(strategy.items())) if strategy else None
+
+    def layers(self, m: int, dp: int, tp: int, budget: float | None, strategy=None) -> tuple[LayerCost, ...]:
+        """The unit profile of the micro-batch graph (batch / m) planned on the (dp, tp) sub-mesh with
+        `strategy` (None: auto; else {"dp": recipe, "tp": recipe} as in autopar.plan). Raises
+        InfeasiblePlanError when the SPMD plan cannot fit the memory row `budget`."""
+        key = (m, *self._inner(dp, tp, strategy), budget)
+        if key not in self.profiles:
+            prob = self.problem(m, dp, tp, strategy)
+            cap, _ = self.captured(m)
             prob.cg.memory_budget = budget
             try:
                 with warnings.catch_warnings():
@@ -169,17 +198,45 @@ class Profiler:
             raise found
         return found
 
+    def forest_bound(self, m: int, dp: int, tp: int, strategy, pp: int, schedule: str) -> float:
+        """`stages.step_lower_bound`'s objective f * (per micro-batch) + (per step) / pp, bounded from below
+        by the spanning-forest relaxation of the (m, dp, tp) Problem (`autopar.forest_bound`): op nodes
+        and data edges weigh f, parameters and gradient edges 1 / pp (as `layer_costs` files them)."""
+        prob = self.problem(m, dp, tp, strategy)
+        key = (m, *self._inner(dp, tp, strategy))
+        if self.forests.get("key") != key:
+            self.forests = {"key": key, "forest": spanning_forest(prob.cg)}
+        v = INTERLEAVE if schedule == "interleaved_1f1b" else 1
+        f, once = 1 / v + (m - 1 / v) / pp, 1 / pp
+        nodes = [once if n.op == "placeholder" else f for n in prob.nodes]
+        edges = [once if e.kind == "grad" else f for e in prob.edges]
+        return forest_lower_bound(prob.cg, nodes, edges, self.forests["forest"])
+
+    def one_device_seconds(self, m: int) -> tuple[float, float]:
+        """(per micro-batch, per step) seconds of the micro-batch graph on one device: its ops and
+        its parameters' optimizer steps. On k devices no op or parameter costs less than 1/k of
+        this (`step_lower_bound`), so these bound every layout of this micro-batch size from below."""
+        if m not in self.floors:
+            cap, _ = self.captured(m)
+            prob = ProblemBuilder(cap, Mesh((1,), ("dp",), self.hardware, self.dpn), self.optimizer).build()
+            seconds = [float(np.min(c + lc)) for c, lc in zip(prob.compute, prob.local_comm)]
+            step = sum(t for t, n in zip(seconds, prob.nodes) if n.op == "placeholder")
+            self.floors[m] = (sum(seconds) - step, step)
+        return self.floors[m]
+
 
 def search(model, example_inputs, *, mesh: Mesh, memory_budget=None, schedules=DEFAULT_SCHEDULES,
            num_microbatches=None, num_stages=None, optimizer: str = "adamw", loss_fn=None,
            time_limit: float | None = None, meshes=None, strategy=None, profiler: Profiler | None = None,
-           accumulate: bool = True) -> SearchResult:
+           accumulate: bool = True, prune: bool = True, exact_top: int = 1) -> SearchResult:
     """The fastest (pp, dp, tp, micro-batches, schedule) for `mesh.size` devices of `mesh.hardware`
     under `memory_budget` bytes per device (int or "80GB"). `num_microbatches` / `num_stages` (an
     int or a list) and `meshes` (a list of (pp, dp, tp)) restrict the search; `strategy` forces the
     SPMD recipe per sub-mesh axis ({"dp": "zero3", "tp": "tp"}: hand-written 3D recipes); a
     `profiler` from an earlier search of the same model and hardware reuses its captures and plans.
     `accumulate=False` leaves out gradient accumulation (one stage, several micro-batches).
+    `prune` (branch and bound, see `_branch_and_bound`) skips candidates that provably cannot be among
+    the `exact_top` fastest; `prune=False` prices every one (the result's best is the same).
     Raises InfeasiblePlanError with the least memory any candidate needs when none fits."""
     for s in schedules:
         if s not in SCHEDULES:
@@ -190,7 +247,7 @@ def search(model, example_inputs, *, mesh: Mesh, memory_budget=None, schedules=D
                                 time_limit)
     batch = batch_size(example_inputs)
     stages_wanted = [num_stages] if isinstance(num_stages, int) else num_stages
-    found: list[Candidate] = []
+    jobs = []   # (pp, dp, tp, m, schedules) in enumeration order
     seen = set()
     for pp, dp, tp in mesh_factorizations(mesh.size, mesh.devices_per_node):
         # a 1-D sub-mesh is the same whichever name it carries (auto splits what it likes): price it once
@@ -202,11 +259,15 @@ def search(model, example_inputs, *, mesh: Mesh, memory_budget=None, schedules=D
             if pp == 1 and m > 1 and not accumulate:
                 continue
             names = schedules if pp > 1 else ("1f1b",)   # one stage: every schedule is accumulation
-            found.extend(_price(prof, pp, dp, tp, m, names, budget, strategy))
+            jobs.append((pp, dp, tp, m, tuple(names)))
+    found = _branch_and_bound(prof, jobs, budget, strategy, exact_top) if prune else \
+        [c for job in jobs for c in _price(prof, *job, budget, strategy)]
     if not found:
         raise InputError(f"no (pp, dp, tp, micro-batch) candidate for {mesh.size} devices and batch {batch}: "
                          "the batch must divide into micro-batches that the data-parallel axis can split")
-    found.sort(key=lambda c: (not c.feasible, c.step_time if c.feasible else c.memory_per_device))
+    rank = {(pp, dp, tp, m, s): i for i, (pp, dp, tp, m, names) in enumerate(jobs) for s in names}
+    found.sort(key=lambda c: (not c.feasible, c.step_time if c.feasible else c.memory_per_device,
+                              rank[c.pp, c.dp, c.tp, c.num_microbatches, c.schedule]))
     best = found[0]
     if not best.feasible:
         need = min(c.memory_per_device for c in found)
@@ -238,6 +299,41 @@ def _check_state_fits(model, world: int, budget: float | None, optimizer: str) -
             f"the model's parameters, gradients and {optimizer} state need {format_bytes(floor)} per device even "
             f"sharded over all {world} devices; the budget is {format_bytes(budget)}: use more devices",
             min_memory_per_device=floor, budget=budget)
+
+
+def _branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int) -> list[Candidate]:
+    """Price `jobs` best-first by a lower bound of their step time, skipping every candidate whose
+    bound exceeds the `keep`-th fastest feasible time found so far: it cannot be among the `keep`
+    fastest, so the search's best (and its keep - 1 runners-up) are those of pricing every job.
+    Two bounds, cheap first: `stages.step_lower_bound` of the one-device seconds of the micro-batch
+    size (no Problem needed; it orders the (micro-batch size, dp, tp) groups, whose memory rows are
+    solved together while their Problem is kept), then the spanning-forest relaxation of the
+    group's Problem (`Profiler.forest_bound`, which adds the communication a forest must pay)."""
+    groups: dict[tuple, list[tuple]] = {}
+    for pp, dp, tp, m, names in jobs:
+        ops, step = prof.one_device_seconds(m)
+        for s in names:
+            bound = step_lower_bound(ops / (dp * tp), step / (dp * tp), pp, m, s, INTERLEAVE)
+            groups.setdefault((m, *Profiler._inner(dp, tp, strategy)), []).append((bound, pp, dp, tp, m, s))
+    found: list[Candidate] = []
+    fastest: list[float] = []
+    cutoff = float("inf")
+    for group in sorted(groups.values(), key=lambda g: min(g)[0]):   # stable: enumeration order on ties
+        if min(group)[0] > cutoff:
+            break  # every later group's least bound is larger still
+        # the forest needs the group's Problem: worth building first only where the solve is the costly
+        # 2-D one (auto on a dp x tp sub-mesh); 1-D and forced-recipe groups solve by the DP in a blink
+        forest = strategy is None and min(group[0][2], group[0][3]) > 1
+        for bound, pp, dp, tp, m, s in group:
+            if bound > cutoff or (forest and cutoff < float("inf") and
+                                  prof.forest_bound(m, dp, tp, strategy, pp, s) > cutoff):
+                continue
+            new = _price(prof, pp, dp, tp, m, (s,), budget, strategy)
+            found += new
+            fastest = sorted(fastest + [c.step_time for c in new if c.feasible])[:keep]
+            # the bound is a sum of the same terms in another order: allow for float rounding
+            cutoff = fastest[-1] * (1 + 1e-9) if len(fastest) == keep else float("inf")
+    return found
 
 
 def _price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, strategy=None) -> list[Candidate]:
@@ -304,16 +400,17 @@ def to_plan(result: SearchResult, model, *, memory_budget=None, optimizer: str =
 def plan_searched(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimizer: str = "adamw",
                   loss_fn=None, time_limit=None, num_microbatches=None, schedule=None, baselines: bool = True):
     """`autopar.plan(..., num_stages="auto")`: search pipeline x data x tensor parallel layouts of
-    `mesh.size` devices among the plans the runtime can run (GPipe, 1F1B; no gradient accumulation
-    without stages) and return the best one's Plan, its runners-up in `Plan.baselines`. The Plan's
-    mesh is the chosen layout ("pp" first when pipelined), which `autoparallelize` then uses."""
+    `mesh.size` devices among the plans the runtime can run (GPipe, 1F1B, interleaved 1F1B with
+    INTERLEAVE chunks per device; no gradient accumulation without stages) and return the best one's
+    Plan, its runners-up in `Plan.baselines`. The Plan's mesh is the chosen layout ("pp" first when
+    pipelined), which `autoparallelize` then uses."""
     import dataclasses
 
     from autopar import pipeline_plan
     schedules = (schedule,) if schedule else pipeline_plan.SCHEDULES
     result = search(model, example_inputs, mesh=mesh, memory_budget=memory_budget, schedules=schedules,
                     num_microbatches=num_microbatches, optimizer=optimizer, loss_fn=loss_fn, time_limit=time_limit,
-                    accumulate=False)
+                    accumulate=False, exact_top=5)   # the 5 fastest are exact: they are the plan's baselines
     plan = to_plan(result, model, memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit)
     table = result.baseline_table(5) if baselines else {}
     return dataclasses.replace(plan, baselines={**plan.baselines, **table})

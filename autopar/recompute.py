@@ -125,11 +125,13 @@ def _reads_in_backward(user: fx.Node) -> bool:
 def copied_nodes(nodes: list[fx.Node]) -> list[fx.Node]:
     """The ops of one layer (`nodes`, forward, graph order) that backward runs again: those that
     backward reads, and their inputs inside the layer, transitively; never a layer output (read by
-    forward ops outside the layer or the graph output) nor a random op or a getitem of one."""
+    forward ops outside the layer or the graph output) nor a random op, a getitem of one, or a
+    dropout mask's boolean copy (`autopar.dropout_masks`: kept in 1 byte as the draw's stand-in)."""
     inside = set(nodes)
     ok: set[fx.Node] = set()
     for v in nodes:  # graph order: a getitem's producer is decided first
-        if not (_is_layer_output(v, inside) or is_random(v) or (is_getitem(v) and v.args[0] not in ok)):
+        if not (_is_layer_output(v, inside) or is_random(v) or v.meta.get("autopar_mask")
+                or (is_getitem(v) and v.args[0] not in ok)):
             ok.add(v)
     need = {v for v in ok if any(_reads_in_backward(u) for u in v.users)}
     stack = list(need)

@@ -363,20 +363,30 @@ def totals_lines(plan) -> list[str]:
 
 
 def stage_lines(plan) -> list[str]:
-    """The pipeline: schedule, micro-batches, predicted bubble, then per stage its units, ranks,
-    time per micro-batch (forward + backward) and memory per device."""
-    p, m = len(plan.stages), plan.num_microbatches
-    bubble = plan.solver.get("bubble_fraction", (p - 1) / (m + p - 1))
-    lines = [f"pipeline  {p} stages, {m} micro-batches, schedule {plan.schedule}, "
-             f"predicted bubble {100 * bubble:.0f}% of the step"]
+    """The pipeline: schedule, micro-batches, predicted bubble, then per stage (device group) its units,
+    ranks, time per micro-batch (forward + backward) and memory per device. Interleaved plans list one
+    StagePlan per chunk; a device's line names its chunks and sums their time and memory."""
+    devices: dict[tuple, list] = {}
     for st in plan.stages:
-        ranks = f"{st.ranks[0]}-{st.ranks[-1]}" if len(st.ranks) > 1 else str(st.ranks[0])
-        blocks = [u for u in st.modules if not u.startswith("<")]
-        units = [u for u in st.modules if u == "<pre>"] + ([_compact_paths(blocks)] if blocks else []) \
-            + [u for u in st.modules if u == "<post>"]
-        lines.append(f"  stage {st.index}  ranks {ranks}  {', '.join(units)}  "
-                     f"{format_seconds(st.predicted_time)}/micro-batch  {format_bytes(st.memory)}")
+        devices.setdefault(tuple(st.ranks), []).append(st)
+    p, m, v = len(devices), plan.num_microbatches, len(plan.stages) // len(devices)
+    bubble = plan.solver.get("bubble_fraction", (p - 1) / (v * m + p - 1))
+    chunks = f" x {v} chunks per device" if v > 1 else ""
+    lines = [f"pipeline  {p} stages{chunks}, {m} micro-batches, schedule {plan.schedule}, "
+             f"predicted bubble {100 * bubble:.0f}% of the step"]
+    for d, (ranks, held) in enumerate(devices.items()):
+        span = f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+        units = " · ".join((f"chunk {st.index} " if v > 1 else "") + _stage_units(st.modules) for st in held)
+        lines.append(f"  stage {d}  ranks {span}  {units}  "
+                     f"{format_seconds(sum(st.predicted_time for st in held))}/micro-batch  "
+                     f"{format_bytes(sum(st.memory for st in held))}")
     return lines
+
+
+def _stage_units(modules) -> str:
+    blocks = [u for u in modules if not u.startswith("<")]
+    return ", ".join([u for u in modules if u == "<pre>"] + ([_compact_paths(blocks)] if blocks else [])
+                     + [u for u in modules if u == "<post>"])
 
 
 def _compact_paths(paths) -> str:

@@ -127,6 +127,17 @@ def _step(t: np.ndarray, m: int, schedule: str, v: int) -> float:
     return float(t.sum() / v + (m - 1 / v) * device.max())
 
 
+def step_lower_bound(per_microbatch: float, per_step: float, p: int, m: int, schedule: str, v: int = 1) -> float:
+    """A lower bound of the step time of any split into p stages (p*v chunks for interleaved_1f1b)
+    of units whose forward+backward seconds sum to at least `per_microbatch` and whose per-step
+    seconds sum to at least `per_step`: with S = sum of stage times and max_k t_k >= S / p,
+        gpipe/1f1b      S + (m-1) S / p                    (the stage-time term of _step)
+        interleaved     S / v + (m - 1/v) S / p            (device times D_d >= S / p)
+    plus max_k per-step >= per_step / p. p2p transfers only add (c >= 0)."""
+    vv = v if schedule == "interleaved_1f1b" else 1
+    return per_microbatch * (1 / vv + (m - 1 / vv) / p) + per_step / p
+
+
 def _prefix(layers: Sequence[LayerCost], attr: str) -> np.ndarray:
     return np.r_[0.0, np.cumsum([getattr(x, attr) for x in layers])]
 

@@ -5,20 +5,28 @@
     torchrun --nproc_per_node 2 benchmarks/costmodel_fidelity.py --hardware cpu      # the uncalibrated preset
 
 The job first calibrates this machine (`autopar.calibrate.calibrate`, the same code as
-`autopar calibrate`) unless given a profile, then plans dp, zero3, tp and auto on a mesh of the
-world with that profile, builds each with `autoparallelize(..., plan=...)`, and times
-zero_grad + train_step + AdamW step (warm-up steps, then the variants take turns; a step is the
-slowest rank's; the median is shown). It prints prediction, measurement, signed error and the
-Spearman rank correlation of the two orderings. Pipelined plans do not exist yet and are skipped.
+`autopar calibrate`) unless given a profile, then plans dp, zero3, tp, auto and a 2-stage 1F1B
+pipeline ("pp", 4 micro-batches) on a mesh of the world with that profile, builds each with
+`autoparallelize`, and times zero_grad + train_step + AdamW step (warm-up steps, then the
+variants take turns; a step is the slowest rank's; the median is shown).
+
+On a shared machine the speed of the cores changes from minute to minute, so a calibration made
+once and measurements made later disagree by the load's change, not by the model's error. By
+default the job therefore calibrates again before every round (under the same load as that
+round's steps) and prices every plan with one profile fitted from all the rounds' timings
+(`--calibrate once`: the first calibration only). It prints prediction, measurement, signed error,
+the Spearman rank correlation of the two orderings, and the load average.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -27,13 +35,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import autopar  # noqa: E402
-from autopar.calibrate import calibrate, size_range  # noqa: E402
-from autopar.costmodel.hardware import get_hardware  # noqa: E402
+from autopar.calibrate import Calibration, build_profile, calibrate, size_range  # noqa: E402
+from autopar.costmodel.hardware import HardwareSpec, get_hardware  # noqa: E402
 from autopar.runtime import autoparallelize  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 from step_time import Variant, timed_step, warm_up  # noqa: E402
 
-PLANS = ("dp", "zero3", "tp", "auto")
+PLANS = ("dp", "zero3", "tp", "auto", "pp")
+# plan name -> autoparallelize / plan keywords
+PLAN_KWARGS = {"pp": dict(num_stages=2, schedule="1f1b", num_microbatches=4)}
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -57,26 +67,89 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
-def hardware(args, rank: int):
-    """The profile to plan with: loaded, a preset, or calibrated now (and optionally saved)."""
-    if args.profile:
-        return get_hardware(args.profile)
-    if args.hardware:
-        return get_hardware(args.hardware)
-    result = calibrate(sizes=size_range("1K", args.max_bytes), iters=args.calib_iters)
-    if rank == 0:
-        print(result.summary(), flush=True)
-        if args.save_profile:
-            result.spec.save(args.save_profile)
-    return result.spec
+def measure_hardware(args, quiet: bool = False) -> Calibration | None:
+    """A calibration now (None when a profile or preset is given instead)."""
+    if args.profile or args.hardware:
+        return None
+    return calibrate(sizes=size_range("1K", args.max_bytes), iters=args.calib_iters,
+                     progress=(lambda msg: None) if quiet else None)
 
 
-def build(model, example, mesh, strategy: str) -> Variant:
-    pmodel = autoparallelize(copy.deepcopy(model), example, mesh=mesh, strategy=strategy, baselines=False)
-    v = Variant(strategy, strategy, pmodel, lambda x, y, m=pmodel: m.train_step(x, y).item())
+def pooled(calibrations: list[Calibration]) -> HardwareSpec:
+    """One profile from several calibrations: links fitted to all their timings, compute figures
+    the median of theirs."""
+    first = calibrations[0]
+    med = {name: statistics.median(getattr(c, name) for c in calibrations)
+           for name in ("matmul_flops", "mem_bandwidth", "op_overhead", "param_step_overhead", "transcendental_rate")}
+    return build_profile(first.spec, [s for c in calibrations for s in c.samples], matmul_flops=med["matmul_flops"],
+                         mem_bandwidth=med["mem_bandwidth"], op_overhead=med["op_overhead"],
+                         devices_per_node=first.spec.devices_per_node, name=first.spec.name,
+                         param_step_overhead=med["param_step_overhead"],
+                         transcendental_rate=med["transcendental_rate"])
+
+
+def build(model, example, mesh, name: str) -> Variant:
+    strategy = "auto" if name in PLAN_KWARGS else name
+    pmodel = autoparallelize(copy.deepcopy(model), example, mesh=mesh, strategy=strategy, baselines=False,
+                             **PLAN_KWARGS.get(name, {}))
+    v = Variant(name, strategy, pmodel, lambda x, y, m=pmodel: m.train_step(x, y).item())
     v.predicted = pmodel.plan.predicted_step_time
     v.plan = pmodel.plan
+    v.compute_comm = (v.plan.predicted_compute_time, v.plan.predicted_comm_time)
+    v.note = ""
     return v
+
+
+def spmd_totals(model, example, plan, mesh) -> dict | None:
+    """The cost model's totals for the very choices of the SPMD `plan`, priced on `mesh`: every
+    node gets the strategy the plan names (planning again could break a near-tie differently).
+    None when a choice is not among the node's candidates."""
+    from autopar import assemble
+    from autopar.canonicalize import canonicalize
+    from autopar.capture import capture
+    from autopar.costing import ProblemBuilder
+    captured = capture(copy.deepcopy(model), example)
+    canonicalize(captured.gm)
+    prob = ProblemBuilder(captured, mesh, prune=False).build()
+    choice = []
+    for i, node in enumerate(prob.nodes):
+        want = plan.nodes[node.name]
+        param = next((n for n, j in prob.param_index.items() if j == i), None)
+        for k, st in enumerate(prob.strategies[i]):
+            outs = tuple(assemble.spec_strs(o) for o in st.outs)
+            ins = tuple(assemble.spec_strs(x) for x in st.ins)
+            if (outs, ins) != (want.outs, want.ins):
+                continue
+            if param is not None:
+                p = plan.params[param]
+                if (assemble.spec_strs(st.master), tuple(st.modes)) != (p.master, p.modes):
+                    continue
+            choice.append(k)
+            break
+        else:
+            return None
+    return assemble.totals(prob, np.array(choice))
+
+
+def reprice(v: Variant, model, example, mesh) -> None:
+    """Predict `v`'s plan on `mesh` (the pooled profile): SPMD plans by pricing their choices
+    (`spmd_totals`), pipelines by planning again (same stages and choices required). Otherwise the
+    prediction of the first calibration stays, and the note says so."""
+    if len(v.plan.stages) <= 1:
+        tot = spmd_totals(model, example, v.plan, mesh)
+        if tot is not None:
+            v.predicted = tot["step"]
+            v.compute_comm = (tot["compute"], tot["comm"])
+            return
+    else:
+        again = autopar.plan(copy.deepcopy(model), example, mesh=mesh, strategy=v.kind, baselines=False,
+                             **PLAN_KWARGS.get(v.name, {}))
+        same_stages = [(s.modules, s.ranks) for s in again.stages] == [(s.modules, s.ranks) for s in v.plan.stages]
+        if same_stages and again.params == v.plan.params and again.nodes == v.plan.nodes:
+            v.predicted = again.predicted_step_time
+            v.compute_comm = (again.predicted_compute_time, again.predicted_comm_time)
+            return
+    v.note = " (not repriced: first calibration's prediction)"
 
 
 def report(variants: list[Variant]) -> str:
@@ -85,12 +158,12 @@ def report(variants: list[Variant]) -> str:
     for v in variants:
         med = statistics.median(v.times)
         lines.append(f"{v.name:<8}{v.predicted:>12.4f}{med:>12.4f}{(v.predicted - med) / med:>+9.1%}   "
-                     f"{v.plan.predicted_compute_time:.4f} / {v.plan.predicted_comm_time:.4f}")
+                     f"{v.compute_comm[0]:.4f} / {v.compute_comm[1]:.4f}{v.note}")
     pred = [v.predicted for v in variants]
     meas = [statistics.median(v.times) for v in variants]
     worst = max(abs(p - m) / m for p, m in zip(pred, meas))
     lines.append(f"max |error| {worst:.1%} (target 25%); Spearman rank correlation {spearman(pred, meas):.2f} "
-                 f"(target 0.8); pipelined plans: not implemented yet, skipped")
+                 f"(target 0.8)")
     return "\n".join(lines)
 
 
@@ -111,11 +184,17 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=3, help="timed steps per plan per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--plans", default=",".join(PLANS))
+    p.add_argument("--calibrate", choices=("every-round", "once"), default="every-round",
+                   help="calibrate again before each round (default) or only before the first")
     args = p.parse_args(argv)
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    hw = hardware(args, rank)
+    load = [os.getloadavg()[0]]
+    calibrations = [c for c in [measure_hardware(args)] if c is not None]
+    hw = calibrations[0].spec if calibrations else get_hardware(args.profile or args.hardware)
+    if rank == 0 and calibrations:
+        print(calibrations[0].summary(), flush=True)
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=args.vocab, block_size=args.block, n_layer=args.layers, n_head=args.heads,
                        n_embd=args.embd)
@@ -126,13 +205,30 @@ def main(argv=None) -> None:
     mesh = autopar.Mesh((world,), hardware=hw)
     variants = [build(model, batches[0], mesh, s) for s in args.plans.split(",")]
     variants = [v for v in variants if warm_up(v, batches, args.warmup, rank)]
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
+        if r and calibrations and args.calibrate == "every-round":
+            calibrations.append(measure_hardware(args, quiet=True))
+        load.append(os.getloadavg()[0])
         for v in variants:
-            v.times += [timed_step(v, *batches[i % len(batches)]) for i in range(args.steps)]
+            for i in range(args.steps):
+                timed_step(v, *batches[i % len(batches)])   # appends the slowest rank's wall time
+    if calibrations:
+        hw = pooled(calibrations)
+        if args.save_profile and rank == 0:
+            hw.save(args.save_profile)
     if rank == 0:
+        if len(calibrations) > 1:
+            for v in variants:
+                reprice(v, model, batches[0], autopar.Mesh((world,), hardware=hw))
+            print(f"pooled profile of {len(calibrations)} calibrations: matmul "
+                  f"{hw.flops('float32') * hw.compute_efficiency / 1e9:.1f} GFLOP/s, pointwise "
+                  f"{hw.mem_bandwidth / 1e9:.1f} GB/s, exp/tanh/gelu {hw.transcendental_rate / 1e6:.0f} M elements/s, "
+                  f"op overhead {hw.op_overhead * 1e6:.2f} µs, {hw.param_step_overhead * 1e6:.0f} µs per parameter "
+                  f"tensor per step", flush=True)
         print(f"world {world}, threads/rank {torch.get_num_threads()}, hardware {hw.name}, GPT {args.layers}L "
               f"{args.embd}d {args.heads}h vocab {args.vocab}, batch {args.batch}x{args.block}, "
-              f"median of {args.rounds * args.steps} steps")
+              f"median of {args.rounds * args.steps} steps; load average (1 min) "
+              f"{min(load):.1f}-{max(load):.1f} over the run")
         print(report(variants), flush=True)
     dist.destroy_process_group()
 

@@ -8,12 +8,16 @@ Models (meta device, no weights): GPT-2 124M / 350M / 1.5B (seq 1024) and Llama 
 (seq 4096), global batch = one sequence per device; H100s, 8 per node; budgets 80 GB and 40 GB.
 Hand recipes, each priced by `autopar.pipeline_search` with the recipe forced on the SPMD sub-mesh:
   dp, zero1, zero2, zero3     one 1-D mesh over every device
-  megatron-tp                 tensor parallel inside a node (tp = 8) x data parallel across nodes
-  fsdp+tp                     torchtitan 2-D: ZeRO-3 across nodes x tensor parallel inside a node
-  pp-1f1b                     pp in {2, 4, 8} stages (1F1B, m in {pp, 2pp, 4pp}) x data parallel
-  3d                          torchtitan 3-D: pp {2, 4, 8} x ZeRO-3 x tp 8, 1F1B
-"auto" is the full search (every pp x dp x tp, micro-batch count, schedule; SPMD solver inside).
-Prints one row per case: auto's step time, the best recipe and its time, and auto / best.
+  (each with gradient accumulation over m in {1, 2, 4} micro-batches)
+  megatron-tp                 tensor parallel inside a node (tp 2, 4 or 8) x data parallel, m in {1, 2, 4}
+  fsdp+tp                     torchtitan 2-D: ZeRO-3 x tensor parallel inside a node (tp 2, 4, 8), m in {1, 2, 4}
+  pp-1f1b                     every pp > 1 dividing the devices (1F1B, m in {pp, 2pp, 4pp}) x data parallel
+  3d                          torchtitan 3-D: every pp > 1 x ZeRO-3 x tp in {2, 4, 8}, 1F1B or interleaved
+                              1F1B, m in {pp, 2pp, 4pp}
+"auto" is the full search (every pp x dp x tp, micro-batch count, schedule; SPMD solver inside;
+branch and bound, see autopar/pipeline_search.py). Prints one row per case: auto's step time, the
+best recipe and its time, auto / best, auto's layout, auto's search time (wall, CPU; it runs first,
+so the first budget's is a cold search and the second reuses its captures) and the row's wall time.
 """
 from __future__ import annotations
 
@@ -58,15 +62,17 @@ def build(name: str, batch: int):
 
 
 def recipes(n: int) -> dict[str, dict]:
-    """Hand recipe name -> search restrictions (meshes as (pp, dp, tp), SPMD strategy, schedules)."""
-    tp = min(PER_NODE, n)
-    pps = [p for p in (2, 4, 8) if n % p == 0]
-    out = {r: dict(meshes=[(1, n, 1)], strategy={"dp": r}, num_microbatches=[1]) for r in ("dp", "zero1", "zero2", "zero3")}
-    out["megatron-tp"] = dict(meshes=[(1, n // tp, tp)], strategy={"dp": "dp", "tp": "tp"}, num_microbatches=[1])
-    out["fsdp+tp"] = dict(meshes=[(1, n // tp, tp)], strategy={"dp": "zero3", "tp": "tp"}, num_microbatches=[1])
+    """Hand recipe name -> search restrictions (meshes as (pp, dp, tp), SPMD strategy, schedules). Each
+    recipe gets every layout and micro-batch count it admits, so the best of them is a strong baseline."""
+    tps = [t for t in (2, 4, 8) if t <= min(PER_NODE, n) and n % t == 0]
+    pps = [p for p in range(2, n + 1) if n % p == 0]
+    accumulate = dict(num_microbatches=[1, 2, 4])          # gradient accumulation where memory needs it
+    out = {r: dict(meshes=[(1, n, 1)], strategy={"dp": r}, **accumulate) for r in ("dp", "zero1", "zero2", "zero3")}
+    out["megatron-tp"] = dict(meshes=[(1, n // t, t) for t in tps], strategy={"dp": "dp", "tp": "tp"}, **accumulate)
+    out["fsdp+tp"] = dict(meshes=[(1, n // t, t) for t in tps], strategy={"dp": "zero3", "tp": "tp"}, **accumulate)
     out["pp-1f1b"] = dict(meshes=[(p, n // p, 1) for p in pps], strategy={"dp": "dp"}, schedules=("1f1b",))
-    out["3d"] = dict(meshes=[(p, n // (p * tp), tp) for p in pps if n % (p * tp) == 0],
-                     strategy={"dp": "zero3", "tp": "tp"}, schedules=("1f1b",))
+    out["3d"] = dict(meshes=[(p, n // (p * t), t) for p in pps for t in tps if n % (p * t) == 0],
+                     strategy={"dp": "zero3", "tp": "tp"}, schedules=("1f1b", "interleaved_1f1b"))
     return out
 
 
@@ -87,16 +93,19 @@ def run(name: str, n: int, budgets=BUDGETS) -> list[dict]:
     rows = []
     for budget in budgets:
         start, cpu = time.perf_counter(), time.process_time()
+        t_auto, c_auto = time.perf_counter(), time.process_time()   # first: its captures are not shared yet
+        auto = _try(lambda: search(model, inputs, mesh=mesh, memory_budget=budget, profiler=prof))
+        t_auto, c_auto = time.perf_counter() - t_auto, time.process_time() - c_auto
         hand = {}
         for recipe, kw in recipes(n).items():
             res = _try(lambda: search(model, inputs, mesh=mesh, memory_budget=budget, profiler=prof, **kw))
             hand[recipe] = res.best if res is not None else None
-        auto = _try(lambda: search(model, inputs, mesh=mesh, memory_budget=budget, profiler=prof))
         fits = {r: c for r, c in hand.items() if c is not None}
         best = min(fits, key=lambda r: fits[r].step_time, default=None)
         rows.append({"model": name, "devices": n, "budget": budget, "auto": auto.best if auto else None,
                      "best_recipe": best, "hand": fits.get(best), "seconds": time.perf_counter() - start,
-                     "cpu": time.process_time() - cpu})
+                     "cpu": time.process_time() - cpu,
+                     "auto_seconds": t_auto, "auto_cpu": c_auto})
         _print(rows[-1])
     return rows
 
@@ -110,7 +119,8 @@ def _print(row: dict) -> None:
     ratio = f"{auto.step_time / hand.step_time:6.3f}" if auto and hand else f"{'-':>6}"
     shape = f"pp{auto.pp} dp{auto.dp} tp{auto.tp} m{auto.num_microbatches} {auto.schedule}" if auto else "-"
     print(f"{row['model']:<10}{row['devices']:>5}{row['budget']:>7} {_fmt(auto)} {_fmt(hand)} "
-          f"{(row['best_recipe'] or '-'):<12}{ratio}  {shape:<32}{row['seconds']:6.0f}s{row['cpu']:6.0f}s", flush=True)
+          f"{(row['best_recipe'] or '-'):<12}{ratio}  {shape:<32}{row['auto_seconds']:6.1f}s{row['auto_cpu']:6.1f}s"
+          f"{row['seconds']:6.0f}s", flush=True)
 
 
 def main() -> None:
@@ -122,7 +132,7 @@ def main() -> None:
     names = args.model or ["gpt2-124m", "gpt2-350m", "gpt2-1.5b", "llama-7b", "llama-13b", "llama-70b"]
     cases = QUICK if args.quick else [(m, n) for m in names for n in (args.devices or DEVICES)]
     print(f"{'model':<10}{'dev':>5}{'budget':>7} {'auto ms':>10} {'hand ms':>10} {'best recipe':<12}{'ratio':>6}  "
-          f"{'auto plan':<32}{'wall':>7}{'cpu':>6}")
+          f"{'auto plan':<32}{'search':>7}{'cpu':>7}{'row':>7}")
     rows = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import time
@@ -207,13 +208,14 @@ def report(variants: list[Variant]) -> str:
     med = {v.name: statistics.median(v.times) for v in variants}
     cpu = {v.name: statistics.median(v.cpu_times) for v in variants}
     natives = [v for v in variants if not v.name.startswith("autopar")]
-    lines = [f"{'variant':<15}{'median s':>9}{'min':>8}{'cpu s':>8}{'optim':>8}{'predicted':>10}{'setup':>7}"
-             f"   {'ratio (wall)':<18}ratio (cpu)", "-" * 96]
+    lines = [f"{'variant':<15}{'median s':>9}{'min':>8}{'cpu s':>8}{'cpu q1-q3':>14}{'optim':>8}{'predicted':>10}"
+             f"{'setup':>7}   {'ratio (wall)':<18}ratio (cpu)", "-" * 110]
     for v in variants:
         pred = f"{v.predicted:.4f}" if v.predicted is not None else "-"
         opt = statistics.median(v.opt_times)
-        lines.append(f"{v.name:<15}{med[v.name]:>9.4f}{min(v.times):>8.4f}{cpu[v.name]:>8.4f}{opt:>8.4f}{pred:>10}"
-                     f"{v.setup_s:>7.1f}   {_ratio(v, med, natives):<18}{_ratio(v, cpu, natives)}")
+        q1, _, q3 = statistics.quantiles(v.cpu_times, n=4) if len(v.cpu_times) > 1 else [cpu[v.name]] * 3
+        lines.append(f"{v.name:<15}{med[v.name]:>9.4f}{min(v.times):>8.4f}{cpu[v.name]:>8.4f}{f'{q1:.3f}-{q3:.3f}':>14}"
+                     f"{opt:>8.4f}{pred:>10}{v.setup_s:>7.1f}   {_ratio(v, med, natives):<18}{_ratio(v, cpu, natives)}")
     return "\n".join(lines)
 
 
@@ -253,6 +255,7 @@ def main(argv=None) -> None:
               f"{args.heads}h vocab {args.vocab}, batch {args.batch}x{args.block}, "
               f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, AdamW foreach {args.foreach}",
               flush=True)
+    load0 = os.getloadavg()
     variants = [v for v in variants if warm_up(v, batches, args.warmup, rank)]
     for _ in range(args.rounds):
         for v in variants:
@@ -260,6 +263,7 @@ def main(argv=None) -> None:
                 timed_step(v, *batches[i % len(batches)])
     if rank == 0:
         print(report(variants))
+        print(f"load average (1, 5, 15 min) at the start: {load0}, at the end: {os.getloadavg()}")
         print("median s: slowest rank, barrier to barrier; cpu s: median CPU time of the slowest rank (what "
               "to compare on a loaded machine); optim: rank 0's AdamW step alone; predicted: the plan's "
               "cost-model estimate")

@@ -7,8 +7,12 @@ reductions, views) count 0 FLOPs: they are memory bound and priced by their byte
 also pays the hardware's `op_overhead` (0 in the presets, measured by `autopar calibrate`); the
 planner never prices view ops, so they cost nothing.
 
-`ROOFLINE` is the same formula in sympy, t = max(F/(η·P), M/W) + o, and `explain_compute` prints it
-with its numbers.
+Exp-class pointwise ops (`TRANSCENDENTAL_OPS`: exp, gelu, softmax, tanh, ...) also have a third
+bound, E/T: E elements at the hardware's `transcendental_rate` T. On a CPU it binds (gelu is ~10x
+slower than its bytes); on a GPU the special-function units outrun memory and M/W still binds.
+
+`ROOFLINE` is the same formula in sympy, t = max(F/(η·P), M/W, E/T) + o, and `explain_compute`
+prints it with its numbers.
 """
 from __future__ import annotations
 
@@ -58,31 +62,48 @@ _COUNTED_OPS = frozenset(
 _FLOP_CACHE: dict[tuple, float] = {}
 
 
-SYM_F, SYM_M, SYM_P, SYM_ETA, SYM_W, SYM_O = sp.symbols("F M P eta W o", nonnegative=True)
-ROOFLINE: sp.Expr = sp.Max(SYM_F / (SYM_ETA * SYM_P), SYM_M / SYM_W) + SYM_O
+SYM_F, SYM_M, SYM_P, SYM_ETA, SYM_W, SYM_O, SYM_E, SYM_T = sp.symbols("F M P eta W o E T", nonnegative=True)
+ROOFLINE: sp.Expr = sp.Max(SYM_F / (SYM_ETA * SYM_P), SYM_M / SYM_W, SYM_E / SYM_T) + SYM_O
+
+# Pointwise ops whose every element costs an exp, erf, tanh or log: E = elements of the output.
+TRANSCENDENTAL_OPS = frozenset(getattr(aten, name) for name in (
+    "exp", "exp2", "expm1", "log", "log1p", "log2", "tanh", "tanh_backward", "sigmoid", "sigmoid_backward",
+    "gelu", "gelu_backward", "silu", "silu_backward", "erf", "_softmax", "_softmax_backward_data",
+    "_log_softmax", "_log_softmax_backward_data", "sin", "cos"))
 
 
-def op_time(flops: float, nbytes: float, hw: HardwareSpec, dtype: torch.dtype | str) -> float:
-    """Roofline seconds: the larger of compute time at achievable peak and memory-traffic time,
-    plus the per-launch overhead (`ROOFLINE` evaluated in floats)."""
+def op_time(flops: float, nbytes: float, hw: HardwareSpec, dtype: torch.dtype | str,
+            elements: float = 0.0) -> float:
+    """Roofline seconds: the largest of compute time at achievable peak, memory-traffic time and,
+    for `elements` of an exp-class op, their time at `transcendental_rate`; plus the per-launch
+    overhead (`ROOFLINE` evaluated in floats)."""
     compute = flops / (hw.flops(dtype_name(dtype)) * hw.compute_efficiency)
-    return max(compute, nbytes / hw.mem_bandwidth) + hw.op_overhead
+    special = elements / hw.transcendental_rate if hw.transcendental_rate else 0.0
+    return max(compute, nbytes / hw.mem_bandwidth, special) + hw.op_overhead
 
 
 def explain_compute(flops: float, nbytes: float, hw: HardwareSpec,
-                    dtype: torch.dtype | str = "float32") -> str:
+                    dtype: torch.dtype | str = "float32", elements: float = 0.0) -> str:
     """One line: the roofline formula, its numbers, which side binds, and the seconds.
 
     e.g. "max(F/(η·P), M/W) + o = max(1.07 GFLOP / (0.6·67.0 TFLOP/s), 12.6 MB / 3.35 TB/s) + 0 s
-    = 26.7 µs (compute bound)"
+    = 26.7 µs (compute bound)"; with `elements` of an exp-class op, E/T joins the max.
     """
     peak = hw.flops(dtype_name(dtype))
     compute, memory = flops / (peak * hw.compute_efficiency), nbytes / hw.mem_bandwidth
-    bound = "compute bound" if compute >= memory else "memory bound"
-    return (f"max(F/(η·P), M/W) + o = max({flops / 1e9:.3g} GFLOP / ({hw.compute_efficiency:.3g}·"
-            f"{peak / 1e12:.3g} TFLOP/s), {format_bytes(nbytes)} / {format_bytes(hw.mem_bandwidth)}/s)"
-            f" + {format_seconds(hw.op_overhead)} = {format_seconds(op_time(flops, nbytes, hw, dtype))}"
-            f" ({bound})")
+    special = elements / hw.transcendental_rate if elements and hw.transcendental_rate else 0.0
+    bound = ("compute bound" if compute >= max(memory, special)
+             else "memory bound" if memory >= special else "transcendental bound")
+    third = (f", {elements:.3g} / {hw.transcendental_rate:.3g}/s" if special else "")
+    return (f"max(F/(η·P), M/W{', E/T' if special else ''}) + o = max({flops / 1e9:.3g} GFLOP / "
+            f"({hw.compute_efficiency:.3g}·{peak / 1e12:.3g} TFLOP/s), {format_bytes(nbytes)} / "
+            f"{format_bytes(hw.mem_bandwidth)}/s{third}) + {format_seconds(hw.op_overhead)} = "
+            f"{format_seconds(op_time(flops, nbytes, hw, dtype, elements))} ({bound})")
+
+
+def is_transcendental(target: Any) -> bool:
+    """True if `target` (an ATen OpOverload) is an exp-class pointwise op (`TRANSCENDENTAL_OPS`)."""
+    return getattr(target, "overloadpacket", None) in TRANSCENDENTAL_OPS
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:

@@ -43,7 +43,18 @@ class HardwareSpec:
     runs on this one machine). `collectives` holds fitted per-collective links from calibration,
     `{"intra": {"all_reduce": LinkSpec, ...}, "inter": {...}}`; presets leave it empty.
     `op_overhead` is the fixed cost of one kernel launch (eager dispatch on CPU, launch on GPU),
-    measured by `autopar calibrate`; it matters for small models where ops are microseconds.
+    measured by `autopar calibrate`; it matters for small models where ops are microseconds. The GPU
+    presets leave it 0: launches are asynchronous and hide behind any kernel longer than a launch.
+    `param_step_overhead` is the fixed cost a training step pays per parameter tensor beyond its
+    memory traffic: `zero_grad`, `to_local()`, the gradient's DTensor wrapping and torch.optim's
+    per-tensor (or per-list) ops on a DTensor parameter, measured by `autopar calibrate` with
+    AdamW. The GPU presets take
+    10 µs (AdamW's default `foreach` path issues a few kernels per chunk of tensors; DTensor's
+    sharding propagation costs CPU microseconds per tensor).
+    `transcendental_rate` is how many elements per second exp-class pointwise ops (exp, gelu,
+    softmax, tanh, ...) compute: on a CPU they are compute bound, several times slower than their
+    bytes. 0 means unmeasured (priced by bytes alone). The GPU presets take their special-function
+    units' throughput, far above what memory feeds, so bytes still bind there.
     """
 
     name: str
@@ -56,13 +67,16 @@ class HardwareSpec:
     compute_efficiency: float = 0.6   # achievable fraction of peak FLOP/s for large matmuls
     collectives: dict[str, dict[str, LinkSpec]] = field(default_factory=dict)
     op_overhead: float = 0.0          # seconds each kernel launch adds (calibrated; presets: 0)
+    param_step_overhead: float = 0.0  # seconds a step adds per (DTensor) parameter tensor
+    transcendental_rate: float = 0.0  # elements/s of exp-class pointwise ops (0: bytes alone)
 
     def __post_init__(self) -> None:
         _validate(self)
         # Copy the dicts so a caller's later mutation cannot change a frozen spec; numbers become
         # floats so that equal specs fingerprint the same.
         object.__setattr__(self, "peak_flops", {k: float(v) for k, v in self.peak_flops.items()})
-        for name in ("mem_bandwidth", "mem_capacity", "compute_efficiency", "op_overhead"):
+        for name in ("mem_bandwidth", "mem_capacity", "compute_efficiency", "op_overhead",
+                     "param_step_overhead", "transcendental_rate"):
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "collectives", {k: dict(v) for k, v in self.collectives.items()})
 
@@ -85,7 +99,8 @@ class HardwareSpec:
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict; `HardwareSpec.from_json` reads it back (also from a JSON string).
 
-        `op_overhead` is written only when set, so presets keep their fingerprints."""
+        The optional figures (`_OPTIONAL`: overheads, transcendental rate) are written only when
+        set, so profiles written before they existed keep their fingerprints."""
         data = {
             "name": self.name,
             "peak_flops": dict(self.peak_flops),
@@ -98,8 +113,9 @@ class HardwareSpec:
             "collectives": {lk: {c: _link_to_json(l) for c, l in d.items()}
                             for lk, d in self.collectives.items()},
         }
-        if self.op_overhead:
-            data["op_overhead"] = self.op_overhead
+        for name in _OPTIONAL:
+            if getattr(self, name):
+                data[name] = getattr(self, name)
         return data
 
     @classmethod
@@ -130,8 +146,10 @@ class HardwareSpec:
 # --- validation and parsing -----------------------------------------------------------------------
 
 _FIELDS = ("name", "peak_flops", "mem_bandwidth", "mem_capacity", "intra_node", "inter_node",
-           "devices_per_node", "compute_efficiency", "collectives", "op_overhead")
+           "devices_per_node", "compute_efficiency", "collectives", "op_overhead", "param_step_overhead",
+           "transcendental_rate")
 _REQUIRED = _FIELDS[:7]
+_OPTIONAL = ("op_overhead", "param_step_overhead", "transcendental_rate")   # 0 when absent
 _FIX = "fix the field or regenerate the profile with HardwareSpec.save()"
 
 
@@ -171,6 +189,8 @@ def _validate(spec: HardwareSpec) -> None:
         raise HardwareError(f"field 'compute_efficiency' must be in (0, 1], "
                             f"got {spec.compute_efficiency!r}; {_FIX}")
     _check_non_negative("op_overhead", spec.op_overhead)
+    _check_non_negative("param_step_overhead", spec.param_step_overhead)
+    _check_non_negative("transcendental_rate", spec.transcendental_rate)
     if not isinstance(spec.collectives, dict) or not set(spec.collectives) <= set(LINK_KINDS):
         raise HardwareError(f"field 'collectives' must map {LINK_KINDS} to collective fits; {_FIX}")
     for link_kind, fits in spec.collectives.items():
@@ -219,7 +239,7 @@ def _spec_from_dict(data: Any) -> HardwareSpec:
         devices_per_node=data["devices_per_node"],
         compute_efficiency=data.get("compute_efficiency", 0.6),
         collectives=fits,
-        op_overhead=data.get("op_overhead", 0.0),
+        **{name: data.get(name, 0.0) for name in _OPTIONAL},
     )
 
 
@@ -241,6 +261,11 @@ CPU = HardwareSpec(
     inter_node=LinkSpec(bandwidth=0.9e9, latency=500e-6),
     devices_per_node=None,
     compute_efficiency=0.8,
+    # Per step and DTensor parameter (zero_grad, to_local, gradient wrapping, AdamW's ~10 ops) and
+    # exp/tanh/gelu: measured at load 16 (2.7 ms, 200 M elements/s, matmul 16.8 GFLOP/s), scaled by
+    # that matmul's slowdown against the idle machine's 47 GFLOP/s.
+    param_step_overhead=1e-3,
+    transcendental_rate=5e8,
 )
 
 # NVIDIA A100 SXM4 80GB. "NVIDIA A100 Tensor Core GPU Datasheet"
@@ -259,6 +284,8 @@ A100 = HardwareSpec(
     inter_node=LinkSpec(bandwidth=25e9, latency=10e-6),
     devices_per_node=8,
     compute_efficiency=0.6,
+    param_step_overhead=10e-6,   # see HardwareSpec: AdamW's foreach path on DTensors
+    transcendental_rate=2.4e12,  # 108 SMs x 16 SFU results/clock x 1.41 GHz (A100 whitepaper)
 )
 
 # NVIDIA H100 SXM5 80GB. "NVIDIA H100 Tensor Core GPU Datasheet"
@@ -275,6 +302,8 @@ H100 = HardwareSpec(
     inter_node=LinkSpec(bandwidth=50e9, latency=10e-6),
     devices_per_node=8,
     compute_efficiency=0.6,
+    param_step_overhead=10e-6,   # see HardwareSpec: AdamW's foreach path on DTensors
+    transcendental_rate=4.2e12,  # 132 SMs x 16 SFU results/clock x 1.98 GHz (H100 whitepaper)
 )
 
 # NVIDIA H200 SXM 141GB. "NVIDIA H200 Tensor Core GPU" product page / datasheet

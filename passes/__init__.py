@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from .apply_plan import apply_plan_pass
 from .bucket_collectives import bucket_collectives_pass
+from .bucket_layer_gathers import bucket_layer_gathers_pass
 from .context import PassContext
 from .insert_redistribute import insert_redistribute_pass
 from .localize_shapes import localize_shapes_pass
@@ -27,6 +28,7 @@ PIPELINE = (
     ("insert_redistribute", insert_redistribute_pass),  # abstract redistribute at every mismatch
     ("lower_collectives", lower_collectives_pass),      # redistribute -> functional collectives
     ("bucket_collectives", bucket_collectives_pass),    # gradient (and ZeRO-1/2 gather) collectives -> 25 MB buckets
+    ("bucket_layer_gathers", bucket_layer_gathers_pass),  # a layer's parameter gathers (ZeRO-3) -> one per phase
     ("localize_shapes", localize_shapes_pass),          # global size arguments -> local
 )
 
@@ -74,4 +76,5 @@ def _dump(folder: str, fname: str, gm: fx.GraphModule) -> None:
 
 
 __all__ = ["PIPELINE", "PassContext", "run_passes", "describe", "emitted_collectives", "apply_plan_pass", "insert_redistribute_pass",
-           "lower_collectives_pass", "bucket_collectives_pass", "localize_shapes_pass", "recompute_pass"]
+           "lower_collectives_pass", "bucket_collectives_pass", "bucket_layer_gathers_pass",
+           "localize_shapes_pass", "recompute_pass"]

@@ -57,12 +57,21 @@ def _buckets(tensors: list[torch.Tensor]) -> list[list[int]]:
     return out
 
 
+def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors one after another in one new flat buffer: one copy each, also of a transposed
+    weight gradient (reshape(-1) + cat would copy it twice)."""
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
+    for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
+        piece.view(t.shape).copy_(t)
+    return flat
+
+
 def fused_all_reduce(tensors: list[torch.Tensor], op: str, group: str) -> list[torch.Tensor]:
     """All-reduce many tensors as few flat buckets (one collective each)."""
     c10d = torch.ops._c10d_functional
     out: list = [None] * len(tensors)
     for bucket in _buckets(tensors):
-        flat = torch.cat([tensors[i].reshape(-1) for i in bucket])
+        flat = _flatten([tensors[i] for i in bucket])
         flat = c10d.wait_tensor(c10d.all_reduce(flat, op, group))
         for i, piece in zip(bucket, flat.split([tensors[i].numel() for i in bucket])):
             out[i] = piece.view(tensors[i].shape)
@@ -74,9 +83,12 @@ def fused_reduce_scatter(tensors: list[torch.Tensor], op: str, n: int, group: st
     c10d = torch.ops._c10d_functional
     out: list = [None] * len(tensors)
     for bucket in _buckets(tensors):
-        rows = torch.cat([tensors[i].reshape(n, -1) for i in bucket], dim=1).contiguous()
-        mine = c10d.wait_tensor(c10d.reduce_scatter_tensor(rows, op, n, group)).reshape(-1)
         sizes = [tensors[i].numel() // n for i in bucket]
+        rows = torch.empty(n, sum(sizes), dtype=tensors[bucket[0]].dtype, device=tensors[bucket[0]].device)
+        for i, cols in zip(bucket, rows.split(sizes, dim=1)):  # one copy each, whatever the layout
+            t = tensors[i]
+            cols.view(n, t.shape[0] // n, *t.shape[1:]).copy_(t.unflatten(0, (n, t.shape[0] // n)))
+        mine = c10d.wait_tensor(c10d.reduce_scatter_tensor(rows, op, n, group)).reshape(-1)
         for i, piece in zip(bucket, mine.split(sizes)):
             shape = (tensors[i].shape[0] // n, *tensors[i].shape[1:])
             out[i] = piece.view(shape)
@@ -91,7 +103,7 @@ def fused_all_gather(tensors: list[torch.Tensor], n: int, group: str) -> list[to
     c10d = torch.ops._c10d_functional
     out: list = [None] * len(tensors)
     for bucket in _buckets(tensors):
-        flat = torch.cat([tensors[i].reshape(-1) for i in bucket])
+        flat = _flatten([tensors[i] for i in bucket])
         rows = c10d.wait_tensor(c10d.all_gather_into_tensor(flat, n, group)).view(n, -1)
         sizes = [tensors[i].numel() for i in bucket]
         for i, piece in zip(bucket, rows.split(sizes, dim=1)):

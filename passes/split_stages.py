@@ -24,6 +24,9 @@ or one stage's contribution to the gradient of a parameter used by several stage
 embedding): the accumulation that sums those contributions is copied into every owner stage with
 the other stages' contributions left out, and the runtime all-reduces that gradient between them.
 
+Interleaved plans cut the graph into p*v chunks (`Plan.stages` lists one per chunk); the split is the
+same as for p*v stages: which rank runs a chunk is the runtime's business (autopar/pipeline_runtime.py).
+
 Invariants (`check_programs`): every original op runs in exactly one stage or is floating; forward
 units never decrease along data flow; each stage's boundary outputs are the next stage's inputs.
 """

@@ -54,7 +54,8 @@ def train_parallel(rank, world, model, batches, steps, kw):
     from autopar.runtime import autoparallelize
     args, kwargs = batches[0]
     example = tuple(args) + ((kwargs,) if kwargs else ())
-    pmodel = autoparallelize(copy.deepcopy(model), example, verify=True, baselines=False, **kw)
+    # the IR checks run no collective and every rank's local shapes are the same: rank 0 checks for all
+    pmodel = autoparallelize(copy.deepcopy(model), example, verify=rank == 0, baselines=False, **kw)
     losses, opt = train_steps(pmodel, batches, steps)
     memory = {"params": sum(_local_bytes(p) for p in pmodel.parameters()),   # sizes are fixed after step 0
               "buffers": sum(_local_bytes(b) for b in pmodel.buffers()),
@@ -67,6 +68,37 @@ def train_parallel(rank, world, model, batches, steps, kw):
 
 def train_many(rank, world, model, batches, steps, kws):
     return [train_parallel(rank, world, model, batches, steps, kw) for kw in kws]
+
+
+def run_each(rank, world, jobs):
+    """Worker running several jobs `(fn, *args)` in one spawn (a spawn of 4 ranks costs seconds of imports):
+    each job's `fn(rank, world, *args)`, or its traceback, so one failing job does not hide the others."""
+    import traceback
+    out = []
+    for fn, *args in jobs:
+        try:
+            out.append(fn(rank, world, *args))
+        except Exception:  # the caller fails the test with it
+            out.append(traceback.format_exc())
+    return out
+
+
+def assert_matches(results, ref_losses, ref_state, labels, *, rtol=1e-4, atol=1e-5, check_plan=True) -> None:
+    """`results[rank][i]` (train_parallel's dicts, case `labels[i]`) equal one process: losses on every rank,
+    full parameters on rank 0 (rtol 1e-4 / atol 1e-5); with `check_plan`, the plan is feasible and the graph
+    emitted exactly the collectives the plan priced, per kind and phase."""
+    from autopar.plan import Plan
+    for i, label in enumerate(labels):
+        for rank, result in enumerate(results):
+            torch.testing.assert_close(torch.tensor(result[i]["losses"]), torch.tensor(ref_losses), rtol=rtol,
+                                       atol=atol, msg=lambda m: f"{label} rank {rank} losses: {m}")
+        for key, want in ref_state.items():
+            torch.testing.assert_close(results[0][i]["state"][key], want, rtol=rtol, atol=atol,
+                                       msg=lambda m: f"{label} {key}: {m}")
+        if check_plan:
+            plan = Plan.from_json(results[0][i]["plan"])
+            assert plan.feasible, label
+            assert Counter(results[0][i]["emitted"]) == Counter((c.kind, c.phase) for c in plan.collectives), label
 
 
 def build_from_meta(rank, world, config, strategy, seed):

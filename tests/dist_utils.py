@@ -21,6 +21,9 @@ def free_port() -> int:
 def _worker(rank, world, port, fn, args, queue):
     import torch.distributed as dist
     faulthandler.enable()  # a crash in a native library prints every thread's Python stack
+    # one share of the cores per rank, as torchrun's OMP_NUM_THREADS=1: 4 ranks of torch's default 2 intra-op
+    # threads each would oversubscribe 2 cores
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     try:

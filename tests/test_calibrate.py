@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from autopar.calibrate import (Sample, build_profile, calibrate, fit_alpha_beta, fit_links, parse_size,
+from autopar.calibrate import (Sample, build_profile, calibrate, fit_alpha_beta, fit_line, fit_links, parse_size,
                                size_range)
 from autopar.cli import main
 from autopar.costmodel import comm
@@ -44,15 +44,37 @@ def test_fit_with_noise_and_clamps():
         fit_alpha_beta("all_reduce", [(2, 1024, 1e-3)])
 
 
+def test_fit_line_recovers_op_overhead_and_bandwidth():
+    """Pointwise ops of M bytes take o + M/W: the fit gives back o = 3 µs and W = 30 GB/s."""
+    sizes = [3 * 4 * n for n in (64, 1024, 16384, 262144, 1 << 20)]
+    overhead, per_byte = fit_line(sizes, [3e-6 + m / 30e9 for m in sizes])
+    assert overhead == pytest.approx(3e-6, rel=1e-6) and 1 / per_byte == pytest.approx(30e9, rel=1e-6)
+    rng = random.Random(0)
+    overhead, per_byte = fit_line(sizes, [(3e-6 + m / 30e9) * (1 + 0.05 * rng.uniform(-1, 1)) for m in sizes])
+    assert overhead == pytest.approx(3e-6, rel=0.2) and 1 / per_byte == pytest.approx(30e9, rel=0.2)
+
+
+def test_fit_line_recovers_the_optimizer_cost_per_parameter_tensor_and_clamps():
+    """AdamW over K tensors: 1 ms of fixed cost + 150 µs per tensor; the slope is the overhead."""
+    counts = (4, 16, 64)
+    fixed, per_tensor = fit_line(counts, [1e-3 + 150e-6 * k for k in counts])
+    assert fixed == pytest.approx(1e-3, rel=1e-6) and per_tensor == pytest.approx(150e-6, rel=1e-6)
+    assert fit_line(counts, [150e-6 * k - 1e-4 for k in counts])[0] == 0.0      # no negative overhead
+    assert fit_line(counts, [1e-3 - 1e-6 * k for k in counts])[1] == 0.0       # nor negative slope
+    with pytest.raises(InputError, match="2 or more distinct sizes"):
+        fit_line([8, 8], [1e-3, 1e-3])
+
+
 def test_profile_from_samples_round_trips_and_mesh_accepts_it(tmp_path):
     intra, inter = LinkSpec(300e9, 5e-6), LinkSpec(20e9, 15e-6)
     samples = [Sample(kind, lk, n, b, t) for lk, link in (("intra", intra), ("inter", inter))
                for kind in KINDS for n, b, t in synthetic(kind, link)]
     spec = build_profile(H100, samples, matmul_flops=40e12, mem_bandwidth=2e12, op_overhead=8e-6,
-                         devices_per_node=8)
+                         devices_per_node=8, param_step_overhead=30e-6)
     assert spec.compute_efficiency == pytest.approx(40e12 / 67e12)
     assert spec.link("inter", "all_gather").bandwidth == pytest.approx(20e9)
     assert spec.op_overhead == 8e-6 and set(spec.collectives) == {"intra", "inter"}
+    assert spec.param_step_overhead == 30e-6
     path = tmp_path / "cluster.json"
     spec.save(path)
     assert get_hardware(path) == spec
@@ -63,8 +85,10 @@ def test_profile_from_samples_round_trips_and_mesh_accepts_it(tmp_path):
             comm.collective_time("all_reduce", 1e8, 2, inter), rel=1e-6)
     assert set(fit_links(samples)) == {"intra", "inter"}
     # a faster-than-preset matmul raises the peak instead of an efficiency over 1
-    assert build_profile(CPU, samples, matmul_flops=80e9, mem_bandwidth=1e10, op_overhead=0,
-                         devices_per_node=None).compute_efficiency == 1.0
+    unmeasured = build_profile(CPU, samples, matmul_flops=80e9, mem_bandwidth=1e10, op_overhead=0,
+                               devices_per_node=None)
+    assert unmeasured.compute_efficiency == 1.0
+    assert unmeasured.param_step_overhead == CPU.param_step_overhead   # the base's when not measured
 
 
 @pytest.mark.parametrize("text, message", [
@@ -80,11 +104,12 @@ def test_corrupt_or_incomplete_profile_is_a_clear_error(tmp_path, text, message)
     assert not (tmp_path / "pwned").exists()
 
 
-def test_bad_op_overhead_and_preset_fingerprints_unchanged():
+@pytest.mark.parametrize("field", ["op_overhead", "param_step_overhead"])
+def test_bad_overheads_are_clear_errors(field):
     data = H100.to_json()
-    assert "op_overhead" not in data   # presets keep their JSON (and plan fingerprints)
-    data["op_overhead"] = -1.0
-    with pytest.raises(HardwareError, match="op_overhead"):
+    assert "op_overhead" not in data   # unset fields stay out of the JSON
+    data[field] = -1.0
+    with pytest.raises(HardwareError, match=field):
         HardwareSpec.from_json(data)
 
 
@@ -110,5 +135,6 @@ def test_real_calibration_two_ranks(tmp_path):
     spec = get_hardware(out)
     assert set(spec.collectives["intra"]) == set(KINDS)
     assert all(link.latency >= 0 and link.bandwidth > 0 for link in spec.collectives["intra"].values())
-    assert 0 < spec.compute_efficiency <= 1 and spec.op_overhead > 0
+    assert 0 < spec.compute_efficiency <= 1 and spec.op_overhead > 0 and spec.param_step_overhead > 0
+    assert spec.transcendental_rate > 0
     assert Mesh(2, hardware=out).collective_time("all_reduce", 1e6, 0) > 0

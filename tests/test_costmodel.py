@@ -244,9 +244,82 @@ def test_roofline_formula_and_launch_overhead():
     expected = flops / (989e12 * 0.6) + 4e-6
     assert compute.op_time(flops, nbytes, hw, torch.bfloat16) == pytest.approx(expected)
     sym = compute.ROOFLINE.subs({compute.SYM_F: flops, compute.SYM_M: nbytes, compute.SYM_P: 989e12,
-                                 compute.SYM_ETA: 0.6, compute.SYM_W: hw.mem_bandwidth, compute.SYM_O: 4e-6})
+                                 compute.SYM_ETA: 0.6, compute.SYM_W: hw.mem_bandwidth, compute.SYM_O: 4e-6,
+                                 compute.SYM_E: 0, compute.SYM_T: hw.transcendental_rate})
     assert float(sym) == pytest.approx(expected)
     text = compute.explain_compute(flops, nbytes, hw, torch.bfloat16)
     assert text.startswith("max(F/(η·P), M/W) + o = max(") and "compute bound" in text
     assert "memory bound" in compute.explain_compute(0, 1e9, hw)
     assert compute.op_time(0, 0, hardware.H100, "float32") == 0   # presets: no launch overhead
+
+
+def _two_weight_mlp() -> tuple[torch.nn.Module, tuple]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.ReLU(), torch.nn.Linear(16, 4, bias=False))
+    return model, (torch.randn(4, 8),)
+
+
+@pytest.mark.parametrize("strategy", ["dp", "zero3"])
+def test_optimizer_step_pays_its_overhead_once_per_parameter_tensor(strategy):
+    """Two weight matrices: the optimizer's fixed cost adds exactly 2 × param_step_overhead to the
+    step, whatever the split (it is the same for every placement, so no plan changes)."""
+    import autopar
+    model, args = _two_weight_mlp()
+    base = dataclasses.replace(hardware.CPU, name="cpu-no-step-overhead", param_step_overhead=0.0)
+    slow = dataclasses.replace(base, name="cpu-slow-step", param_step_overhead=1e-3)
+    plans = [autopar.plan(model, args, mesh=autopar.Mesh((2,), hardware=hw), strategy=strategy, baselines=False,
+                          loss_fn=lambda out, x: out.square().mean()) for hw in (base, slow)]
+    assert plans[1].predicted_step_time - plans[0].predicted_step_time == pytest.approx(2e-3, rel=1e-9)
+    assert plans[1].predicted_compute_time - plans[0].predicted_compute_time == pytest.approx(2e-3, rel=1e-9)
+    assert plans[1].params == plans[0].params and plans[1].nodes == plans[0].nodes
+
+
+def test_param_step_overhead_round_trips_and_is_validated():
+    hw = dataclasses.replace(hardware.CPU, name="cpu-calibrated", param_step_overhead=150e-6)
+    assert HardwareSpec.from_json(json.dumps(hw.to_json())) == hw
+    assert hardware.H100.param_step_overhead == hardware.A100.param_step_overhead == 10e-6
+    assert hardware.H200.param_step_overhead == 10e-6
+    data = hw.to_json()
+    data["param_step_overhead"] = "150us"
+    with pytest.raises(HardwareError, match="param_step_overhead"):
+        HardwareSpec.from_json(data)
+    old = hardware.CPU.to_json()   # a profile written before the fields existed still loads
+    for name in ("param_step_overhead", "transcendental_rate"):
+        old.pop(name, None)
+    loaded = HardwareSpec.from_json(old)
+    assert loaded.param_step_overhead == loaded.transcendental_rate == 0.0
+    for name in ("transcendental_rate",):
+        with pytest.raises(HardwareError, match=name):
+            HardwareSpec.from_json({**hw.to_json(), name: -1.0})
+
+
+def test_exp_class_ops_are_bound_by_their_elements_on_a_cpu_not_on_a_gpu():
+    """gelu of 1M fp32 elements: 8 MB. A CPU at 20 GB/s and 100 M elements/s needs 10 ms for the
+    elements, not 0.4 ms for the bytes; an H100 needs 8 MB / 3.35 TB/s = 2.39 µs, its SFUs 0.25 µs."""
+    cpu = dataclasses.replace(hardware.CPU, mem_bandwidth=20e9, transcendental_rate=100e6, op_overhead=0.0)
+    assert compute.op_time(0, 8e6, cpu, "float32", elements=2 ** 20) == pytest.approx(2 ** 20 / 100e6)
+    assert compute.op_time(0, 8e6, cpu, "float32") == pytest.approx(8e6 / 20e9)   # add: bytes alone
+    assert compute.op_time(0, 8e6, hardware.H100, "float32", elements=2 ** 20) == pytest.approx(8e6 / 3.35e12)
+    unmeasured = dataclasses.replace(cpu, transcendental_rate=0.0)
+    assert compute.op_time(0, 8e6, unmeasured, "float32", elements=2 ** 20) == pytest.approx(8e6 / 20e9)
+    assert "transcendental bound" in compute.explain_compute(0, 8e6, cpu, elements=2 ** 20)
+    assert compute.is_transcendental(torch.ops.aten.gelu.default)
+    assert not compute.is_transcendental(torch.ops.aten.add.Tensor)
+
+
+def test_planner_prices_gelu_by_its_elements():
+    """A hand-built MLP's gelu on one device: the planned step time grows by exactly E/T - M/W
+    when exp-class ops become element bound (E = 4×16 outputs, 1 per element)."""
+    import autopar
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.GELU(), torch.nn.Linear(16, 4, bias=False))
+    args = (torch.randn(4, 8),)
+    fast = dataclasses.replace(hardware.CPU, name="cpu-bytes-only", transcendental_rate=0.0, op_overhead=0.0)
+    slow = dataclasses.replace(fast, name="cpu-slow-exp", transcendental_rate=1e6)
+    plans = [autopar.plan(model, args, mesh=autopar.Mesh((1,), hardware=hw), baselines=False,
+                          loss_fn=lambda out, x: out.square().mean()) for hw in (fast, slow)]
+    # forward gelu writes 4×16 elements and reads 4×16; gelu_backward writes 4×16 and reads 2×4×16
+    elements, nbytes = 2 * 64, (2 * 64 + 3 * 64) * 4
+    expected = elements / 1e6 - nbytes / fast.mem_bandwidth
+    assert plans[1].predicted_step_time - plans[0].predicted_step_time == pytest.approx(expected, rel=1e-6)
+

@@ -3,11 +3,13 @@ the stage split alone on one process, and pipelined training under gloo equal to
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 import autopar
+from autopar.costmodel.hardware import get_hardware
 import models
 from dist_cases import train_reference, train_steps
 from dist_utils import run_distributed
@@ -85,8 +87,11 @@ def test_split_stages_computes_the_joint_graph(name, cut):
 
 def test_pipelined_plan_widens_the_mesh_and_round_trips():
     case = models.tiny_gpt(batch=4, seq=16)
-    plan = autopar.plan(case.model, case.args, mesh=autopar.Mesh((2,)), num_stages=2, num_microbatches=2,
-                        schedule="gpipe", baselines=False)
+    # without the per-step optimizer overhead the step is fill + steady state + drain only, so the
+    # printed bubble is the textbook (p-1)/(m+p-1) of the balanced split
+    hardware = dataclasses.replace(get_hardware("cpu"), param_step_overhead=0.0)
+    plan = autopar.plan(case.model, case.args, mesh=autopar.Mesh((2,), hardware=hardware), num_stages=2,
+                        num_microbatches=2, schedule="gpipe", baselines=False)
     assert plan.mesh.axis_names[0] == "pp" and tuple(plan.mesh.shape) == (2, 1)
     assert plan.recipes[0] == "pp" and plan.schedule == "gpipe" and plan.num_microbatches == 2
     assert all(p.master[0] == "R" and p.use[0] == "R" for p in plan.params.values())
@@ -104,6 +109,34 @@ def test_pipelined_plan_widens_the_mesh_and_round_trips():
     assert "stage 1  ranks 1" in text
 
 
+def test_interleaved_plan_places_chunks_round_robin():
+    """schedule="interleaved_1f1b": p*v = 4 chunks of the 4-layer GPT, chunk k on device k % 2, each unit
+    once and in order; a device's memory is the sum of its chunks'; the summary lists chunks per device."""
+    from autopar.pipeline_plan import chunks_per_device
+    case = models.tiny_gpt(n_layer=4, batch=4, seq=16)
+    plan = autopar.plan(case.model, case.args, mesh=autopar.Mesh((2,)), num_stages=2, schedule="interleaved_1f1b",
+                        baselines=False)
+    assert plan.schedule == "interleaved_1f1b" and plan.num_microbatches == 2 and chunks_per_device(plan) == 2
+    assert [st.index for st in plan.stages] == [0, 1, 2, 3]
+    assert [st.ranks for st in plan.stages] == [(0,), (1,), (0,), (1,)]
+    units = [u for st in plan.stages for u in st.modules]
+    assert units == ["<pre>"] + [f"transformer.h.{i}" for i in range(4)] + ["<post>"]
+    per_device = [sum(st.memory for st in plan.stages[d::2]) for d in range(2)]
+    assert plan.memory_per_device == pytest.approx(max(per_device), rel=1e-9)
+    assert autopar.Plan.from_json(plan.to_json()).to_json() == plan.to_json()
+    text = str(plan)
+    assert "2 stages x 2 chunks per device, 2 micro-batches, schedule interleaved_1f1b" in text
+    assert "chunk 0 <pre>" in text and "chunk 3 transformer.h.3, <post>" in text
+    # the search's interleaved candidate becomes the same runnable plan (num_stages="auto"'s path)
+    from autopar.pipeline_search import search, to_plan
+    res = search(case.model, case.args, mesh=autopar.Mesh((2,)), num_stages=2, num_microbatches=2,
+                 schedules=("interleaved_1f1b",))
+    searched = to_plan(res, case.model)
+    assert [(st.modules, st.ranks) for st in searched.stages] == [(st.modules, st.ranks) for st in plan.stages]
+    assert [st.modules for st in searched.stages] == list(res.best.stage_modules)
+    assert searched.predicted_step_time == pytest.approx(res.best.step_time, rel=1e-6)
+
+
 def test_pipelined_plan_refuses_bad_requests():
     from autopar.errors import InputError, MeshError
     case = models.tiny_gpt(batch=4, seq=16)
@@ -111,6 +144,12 @@ def test_pipelined_plan_refuses_bad_requests():
         autopar.plan(case.model, case.args, mesh=autopar.Mesh((2,)), num_stages=2, num_microbatches=3)
     with pytest.raises(InputError, match="schedule"):
         autopar.plan(case.model, case.args, mesh=autopar.Mesh((2,)), num_stages=2, schedule="zigzag")
+    with pytest.raises(InputError, match="whole rounds of 2 micro-batches.*num_microbatches=2 or 4"):
+        autopar.plan(case.model, case.args, mesh=autopar.Mesh((2,)), num_stages=2, schedule="interleaved_1f1b",
+                     num_microbatches=3)
+    with pytest.raises(InputError, match="virtual_stages=2 applies to schedule='interleaved_1f1b' only"):
+        autopar.plan(case.model, case.args, mesh=autopar.Mesh((2,)), num_stages=2, schedule="1f1b",
+                     virtual_stages=2)
     with pytest.raises(MeshError, match="first axis"):
         autopar.plan(case.model, case.args, mesh=autopar.Mesh((1, 2), axis_names=("dp", "pp")))
     with pytest.raises(MeshError, match="do not split"):
@@ -143,7 +182,9 @@ def _compare(results, case, batches, kws, world):
         for key, want in ref_state.items():
             torch.testing.assert_close(state[key], want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{label} {key}: {m}")
         plan = autopar.Plan.from_json(results[0][i]["plan"])
-        assert plan.mesh.axis_names[0] == "pp" and len(plan.stages) == 2, label
+        v = kw.get("virtual_stages", 2) if kw.get("schedule") == "interleaved_1f1b" else 1
+        assert plan.mesh.axis_names[0] == "pp" and len(plan.stages) == 2 * v, label   # p*v chunks
+        assert [st.ranks for st in plan.stages] == [plan.stages[k % 2].ranks for k in range(2 * v)], label
         # each rank registers only its own stage's parameters; together they are the whole model
         first, last = set(results[0][i]["owned"]), set(results[world - 1][i]["owned"])
         assert first and last and first != last, label
@@ -152,21 +193,32 @@ def _compare(results, case, batches, kws, world):
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])
 def test_pp2_matches_single_process(name):
-    """pp=2 at world 2, GPipe and 1F1B: losses of 3 AdamW steps, every parameter afterwards, and a
-    forward-only evaluation equal one process (the hand-written GPT ties lm_head to wte)."""
-    case = models.tiny_gpt(batch=4, seq=16) if name == "gpt" else models.tiny_llama(batch=4, seq=16)
+    """pp=2 at world 2, GPipe and 1F1B (and, on the 4-layer GPT, interleaved 1F1B: 4 chunks, rank d
+    holding chunks d and d+2): losses of 3 AdamW steps, every parameter afterwards, and a forward-only
+    evaluation equal one process. The hand-written GPT ties lm_head to wte (chunks 0 and 3: two ranks)
+    and here also h.2's fc weight to h.0's (chunks 0 and 2: one rank, one copy, gradient scaled once)."""
+    case = models.tiny_gpt(n_layer=4, batch=4, seq=16) if name == "gpt" else models.tiny_llama(batch=4, seq=16)
+    if name == "gpt":   # a second tie, inside the stack (interleaved: h.0 and h.2 both in rank 0's chunks)
+        case.model.transformer.h[2].mlp.c_fc.weight = case.model.transformer.h[0].mlp.c_fc.weight
     batches = models.zoo_batches(case, STEPS)
     kws = [dict(num_stages=2, schedule="gpipe"), dict(num_stages=2, schedule="1f1b", num_microbatches=4)]
+    if name == "gpt":
+        kws.append(dict(num_stages=2, schedule="interleaved_1f1b", virtual_stages=2, num_microbatches=4))
     results = run_distributed(train_pipelined, 2, case.model, batches, STEPS, kws, timeout=600)
     _compare(results, case, batches, kws, 2)
+    if name == "gpt":   # the tied blocks really shared one rank (else the split moved: pick other blocks)
+        plan = autopar.Plan.from_json(results[0][2]["plan"])
+        assert {"transformer.h.0", "transformer.h.2"} <= {u for st in plan.stages[0::2] for u in st.modules}
 
 
 def test_pp2_with_dp_and_tp_matches_single_process():
-    """World 4: pp=2 x dp=2 (GPipe) and pp=2 x tp=2 (1F1B) on the tied GPT."""
+    """World 4: pp=2 x dp=2 (GPipe, and interleaved 1F1B: 4 one-unit chunks) and pp=2 x tp=2 (1F1B) on
+    the tied GPT."""
     case = models.tiny_gpt(batch=8, seq=16)
     batches = models.zoo_batches(case, STEPS)
     kws = [dict(mesh=autopar.Mesh((2, 2), axis_names=("pp", "dp")), strategy="dp", schedule="gpipe"),
-           dict(mesh=autopar.Mesh((2, 2), axis_names=("pp", "tp")), strategy="tp", schedule="1f1b")]
+           dict(mesh=autopar.Mesh((2, 2), axis_names=("pp", "tp")), strategy="tp", schedule="1f1b"),
+           dict(mesh=autopar.Mesh((2, 2), axis_names=("pp", "dp")), strategy="dp", schedule="interleaved_1f1b")]
     results = run_distributed(train_pipelined, 4, case.model, batches, STEPS, kws, timeout=900)
     _compare(results, case, batches, kws, 4)
 

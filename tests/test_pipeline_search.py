@@ -146,3 +146,29 @@ def test_llama3_70b_on_64_h100_fits_80gb():
     assert res.mesh.is_inter_node("pp") and not res.mesh.is_inter_node(res.mesh.axis_names[-1])
     sizes = [len(s) for s in best.stage_modules]
     assert max(sizes) - min(sizes) <= 3    # balanced by time: the end stages hold embedding / head
+
+
+def test_pruned_search_finds_the_exhaustive_best_and_runners_up():
+    """Branch and bound (`prune=True`, the default) skips candidates whose lower bound exceeds the
+    k-th fastest found: the best k are those of pricing every candidate, every bound is below the
+    time it bounds, and some candidates are skipped (else the bound would be doing nothing)."""
+    from autopar.pipeline_search import INTERLEAVE, Profiler
+    from autopar.stages import step_lower_bound
+    case = models.meta_gpt(n_layer=6, n_embd=128, n_head=4, batch=16, seq=128)
+    mesh = autopar.Mesh((8,), hardware=_slow_inter_node(4), devices_per_node=4)
+    prof = Profiler(case.model, case.example_inputs, mesh.hardware, 4)
+    kw = dict(mesh=mesh, memory_budget="80GB", profiler=prof)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        every = search(case.model, case.example_inputs, prune=False, **kw)
+        pruned = search(case.model, case.example_inputs, exact_top=3, **kw)
+        best = search(case.model, case.example_inputs, **kw)
+    top = [c for c in every.candidates if c.feasible][:3]
+    assert pruned.candidates[:3] == tuple(top) and best.best == top[0]
+    assert len(best.candidates) <= len(pruned.candidates) < len(every.candidates)
+    for c in top + [c for c in every.candidates[3:] if c.feasible]:
+        ops, step = prof.one_device_seconds(c.num_microbatches)
+        cheap = step_lower_bound(ops / (c.dp * c.tp), step / (c.dp * c.tp), c.pp, c.num_microbatches, c.schedule,
+                                 INTERLEAVE)
+        forest = prof.forest_bound(c.num_microbatches, c.dp, c.tp, None, c.pp, c.schedule)
+        assert cheap <= c.step_time * (1 + 1e-9) and forest <= c.step_time * (1 + 1e-9)

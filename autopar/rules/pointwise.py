@@ -39,6 +39,8 @@ def _partial_strats(call: OpCall) -> list:
     tensors = call.tensor_args()
     target = call.target
     strats = []
+    if target is aten._to_copy.default and torch.bool in (call.out.dtype, *(t.dtype for t in tensors)):
+        return []  # a cast to or from bool is not linear: bool(a + b) != bool(a) + bool(b)
     if target in JOINTLY_LINEAR and tensors:
         if target in (aten.add.Tensor, aten.sub.Tensor) and len(tensors) < 2 and not _scalar_zero_other(call):
             return []  # add(P, 3.0) is not partial
