@@ -393,6 +393,22 @@ def tiny_mixtral(batch: int = 4, seq: int = 16, experts_implementation: str = "g
                    experts_implementation=experts_implementation)
 
 
+def tiny_qwen2_moe(batch: int = 4, seq: int = 16) -> Case:
+    """Qwen2-MoE: 4 routed experts (top-2, grouped matmuls) plus an always-on shared expert behind a
+    sigmoid gate, q/k/v biases."""
+    return _zoo_lm("Qwen2MoeForCausalLM", "Qwen2MoeConfig", batch, seq, hidden_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, moe_intermediate_size=64,
+                   shared_expert_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                   max_position_embeddings=64, experts_implementation="grouped_mm")
+
+
+def tiny_olmoe(batch: int = 4, seq: int = 16) -> Case:
+    """OLMoE: 4 experts, top-2 through grouped matmuls, RMS-normed q and k."""
+    return _zoo_lm("OlmoeForCausalLM", "OlmoeConfig", batch, seq, hidden_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, num_experts=4,
+                   num_experts_per_tok=2, max_position_embeddings=64, experts_implementation="grouped_mm")
+
+
 def meta_mixtral(num_layers: int = 2, batch: int = 1, seq: int = 4096) -> Case:
     """Mixtral-8x7B dimensions (hidden 4096, 8 experts of MLP 14336, top-2, 32 heads, 8 kv heads,
     vocab 32000) with few layers, on the meta device."""
@@ -410,7 +426,7 @@ def meta_mixtral(num_layers: int = 2, batch: int = 1, seq: int = 4096) -> Case:
 ZOO_CASES = {"mistral": tiny_mistral, "qwen2": tiny_qwen2, "gemma": tiny_gemma, "gemma2": tiny_gemma2,
              "phi": tiny_phi, "gpt_neox": tiny_gpt_neox, "opt": tiny_opt, "opt_postnorm": tiny_opt_postnorm,
              "falcon": tiny_falcon, "bloom": tiny_bloom, "t5": tiny_t5, "bart": tiny_bart, "vit": tiny_vit,
-             "mixtral": tiny_mixtral,
+             "mixtral": tiny_mixtral, "qwen2_moe": tiny_qwen2_moe, "olmoe": tiny_olmoe,
              "mixtral_eager": lambda: tiny_mixtral(experts_implementation="eager"),
              "mixtral_batched_mm": lambda: tiny_mixtral(experts_implementation="batched_mm")}
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-import pytest
 import torch
 
 import autopar
@@ -17,15 +16,6 @@ from autopar.passes.bucket_layer_gathers import bucket_layer_gathers_pass
 from autopar.passes.ops import contiguous, dense_in_order, fused_all_gather
 
 c10d = torch.ops._c10d_functional
-
-
-@pytest.fixture(scope="module")
-def gpt_case():
-    from examples.gpt import GPT, GPTConfig
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
-    ids = torch.randint(0, 64, (8, 16))
-    return model, (ids, ids)
 
 
 def _lowered(model, inputs, strategy, disabled=frozenset()):

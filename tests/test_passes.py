@@ -193,15 +193,6 @@ def _emitted(plan, captured):
     return emitted_collectives(gm)
 
 
-@pytest.fixture(scope="module")
-def gpt_case():
-    from examples.gpt import GPT, GPTConfig
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
-    ids = torch.randint(0, 64, (8, 16))
-    return model, (ids, ids)
-
-
 def test_dp_emits_gradient_all_reduces_and_no_forward_tensor_traffic(gpt_case):
     model, inputs = gpt_case
     plan = autopar.plan(model, inputs, mesh=autopar.Mesh((2,)), strategy="dp", baselines=False)

@@ -25,13 +25,14 @@ KWS = [dict(strategy=s) for s in STRATEGIES]
 # soft-capping (gemma2), parallel block + partial rotary (phi), parallel residual (gpt_neox), learned
 # positions pre/post-norm (opt, opt_postnorm), alibi (bloom).
 # falcon (parallel attention+MLP), bart (encoder-decoder, cross-attention), vit (conv patches, class token).
-# mixtral (top-2 of 4 experts through grouped matmuls, autopar/rules/moe.py; the forced expert layouts below).
+# mixtral (top-2 of 4 experts through grouped matmuls, autopar/rules/moe.py; the forced expert layouts below),
+# qwen2_moe (routed experts + a gated shared expert), olmoe (experts + RMS-normed q and k).
 # t5 (relative position bias): compared on the first step's gradients, see _check_first_step.
 FAMILIES = ["mistral", "qwen2", "gemma", "gemma2", "phi", "gpt_neox", "opt", "opt_postnorm", "bloom", "falcon", "bart",
-            "vit", "mixtral"]
-# the families in two spawns per world, of about equal cost (one spawn for all would report later and hold
-# one timeout for minutes of work)
-GROUPS = {"decoders": FAMILIES[:7], "rest": FAMILIES[7:] + ["t5"]}
+            "vit", "mixtral", "qwen2_moe", "olmoe"]
+# the families in three spawns per world, of about equal cost (one spawn for all would report later and
+# hold one timeout for minutes of work)
+GROUPS = {"decoders": FAMILIES[:7], "rest": FAMILIES[7:12] + ["t5"], "moe": FAMILIES[12:]}
 
 
 def _first_gradients(rank, world, model, batch, kw):
