@@ -13,6 +13,7 @@ import torch.fx.traceback as fx_traceback
 from torch._decomp import core_aten_decompositions
 from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.tools_common import stable_topological_sort
 
@@ -23,7 +24,17 @@ __all__ = [
     "trace_joint",
     "tag_backward_nodes",
     "core_decompositions",
+    "StridedShard",
+    "strided_shard",
 ]
+
+# DTensor's placement for a dim viewed as `split_factor` equal pieces, each sharded over the mesh axis
+# (rank r holds [piece0_r; piece1_r; ...]); private in torch 2.13 (FSDP2 + TP use it).
+StridedShard = _StridedShard
+
+
+def strided_shard(dim: int, split_factor: int) -> _StridedShard:
+    return _StridedShard(dim, split_factor=split_factor)
 
 
 def export_graph(module: torch.nn.Module, args: tuple) -> torch.fx.GraphModule:
@@ -66,3 +77,16 @@ def stable_toposort(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Topologically sort gm in place, keeping the original order wherever dependencies allow (a
     plain Kahn sort would hoist every collective whose inputs are ready, e.g. all ZeRO-3 gathers)."""
     return stable_topological_sort(gm)
+
+
+def module_hook_ids(module: torch.nn.Module | None = None) -> tuple:
+    """The handle ids of the forward/backward hooks on `module`, or of the global module hooks when
+    None: registering or removing a hook changes them (torch never reuses a handle id)."""
+    import torch.nn.modules.module as nn_module
+    if module is None:
+        dicts = (nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks,
+                 nn_module._global_backward_pre_hooks, nn_module._global_backward_hooks)
+    else:
+        dicts = (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
+                 module._backward_hooks)
+    return tuple(tuple(d) for d in dicts)

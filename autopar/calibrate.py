@@ -2,17 +2,18 @@
 
 Run on every rank under torchrun (gloo on CPU, NCCL on CUDA: the same code, the device follows the
 backend). For each mesh axis, every rank times all_reduce, all_gather, reduce_scatter, all_to_all
-and send/recv inside its own axis group over a range of message sizes B; a time is the slowest
-rank's mean (a step's collectives add up, so their occasional slow calls count). Each (link kind, collective) is then fitted to the alpha-beta formula of
-`costmodel.comm`, which is linear in alpha and 1/beta:
-
-    t(n, B) = hops(n)·α + bw(n)·B·(1/β)      (least squares, weighted by 1/t: relative error)
+and send/recv inside its own axis group over a range of message sizes B, each as the lowered graph
+issues it (functional collective + wait_tensor; all_reduce's copy of its input included); a time
+is the slowest rank's mean (a step's collectives add up, so their occasional slow calls count).
+Each (link kind, collective) is then fitted to the alpha-beta formula of `costmodel.comm`
+(`autopar.calibrate_fit`).
 
 Compute is timed the same way: square matmuls give the achieved FLOP/s (-> `compute_efficiency`
-against the base preset's peak), attention its FLOP/s (printed; the cost model prices it as a
-matmul), exp, tanh and gelu the `transcendental_rate` (elements/s), and pointwise ops over sizes
-from 64 elements to 1M the per-launch overhead and the memory bandwidth, by the same kind of fit
-(`fit_line`):
+against the base preset's peak); causal attention forward and backward their FLOP/s (counted by
+the cost model's formulas) as fractions of the matmul's (-> `attention_efficiency`,
+`attention_backward_efficiency`); exp, tanh and gelu the `transcendental_rate` (elements/s); and
+pointwise ops over sizes from 64 elements to 1M the per-launch overhead and the memory bandwidth,
+by a line fit (`fit_line`):
 
     t(M) = o + M·(1/W)            (M bytes read and written)
 
@@ -39,8 +40,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autopar.costmodel.comm import coefficients
-from autopar.costmodel.hardware import COLLECTIVE_KINDS, LINK_KINDS, HardwareSpec, LinkSpec, get_hardware
+from autopar.calibrate_fit import Sample, fit_line, fit_links
+from autopar.costmodel import compute as compute_model
+from autopar.costmodel.hardware import COLLECTIVE_KINDS, HardwareSpec, get_hardware
 from autopar.costmodel.memory import format_bytes, format_seconds
 from autopar.errors import InputError
 from autopar.mesh import Mesh
@@ -50,34 +52,28 @@ Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True)
-class Sample:
-    """One measured collective: `kind` over `n` devices on a `link_kind` link, B bytes, seconds."""
-
-    kind: str
-    link_kind: str
-    n: int
-    nbytes: float
-    seconds: float
-
-
-@dataclass(frozen=True)
 class Calibration:
     """What `calibrate` measured and the profile fitted from it."""
 
     spec: HardwareSpec
     samples: tuple[Sample, ...]
     matmul_flops: float        # achieved FLOP/s of the square matmuls (median)
-    attention_flops: float     # achieved FLOP/s of causal attention
+    attention_flops: float     # achieved FLOP/s of causal attention forward (the cost model's count)
     mem_bandwidth: float       # effective bytes/s of pointwise ops (fitted)
     op_overhead: float         # seconds per op (fitted intercept)
     param_step_overhead: float = 0.0   # seconds per DTensor parameter tensor per step (fitted slope)
     transcendental_rate: float = 0.0   # elements/s of exp, tanh and gelu (median)
+    attention_backward_flops: float = 0.0   # achieved FLOP/s of its backward
 
     def summary(self) -> str:
         """A short table of the fitted links and compute figures."""
+        peak = self.matmul_flops / self.spec.compute_efficiency  # the measured dtype's peak
         lines = [f"profile {self.spec.name}: matmul {self.matmul_flops / 1e9:.1f} GFLOP/s "
-                 f"(efficiency {self.spec.compute_efficiency:.2f} of {self.spec.flops('float32') / 1e9:.0f}),"
-                 f" attention {self.attention_flops / 1e9:.1f} GFLOP/s, pointwise "
+                 f"(efficiency {self.spec.compute_efficiency:.2f} of {peak / 1e9:.0f}),"
+                 f" attention {self.attention_flops / 1e9:.1f} GFLOP/s forward"
+                 f" (x{self.spec.attention_efficiency:.2f}), {self.attention_backward_flops / 1e9:.1f} backward"
+                 f" (x{self.spec.attention_backward_efficiency:.2f}),"
+                 f" pointwise "
                  f"{format_bytes(self.mem_bandwidth)}/s, exp/tanh/gelu {self.transcendental_rate / 1e6:.0f} M elements/s, "
                  f"op overhead {format_seconds(self.op_overhead)}, "
                  f"{format_seconds(self.param_step_overhead)} per parameter tensor per step"]
@@ -88,67 +84,15 @@ class Calibration:
         return "\n".join(lines)
 
 
-# --- fitting (pure, tested on synthetic timings) ---------------------------------------------------
-
-def fit_alpha_beta(kind: str, samples: Sequence[tuple[int, float, float]]) -> LinkSpec:
-    """Least-squares alpha (s) and beta (bytes/s) of `kind` from (n, B, seconds) samples.
-
-    Relative error is minimised (rows weighted by 1/t), so 1 KiB messages fix alpha as much as
-    64 MiB ones fix beta. Both stay physical: a negative alpha is clamped to 0 and refitted."""
-    rows = [(*coefficients(kind, n), b, t) for n, b, t in samples if n > 1 and t > 0]
-    if len(rows) < 2:
-        raise InputError(f"fitting {kind} needs at least 2 timings over n > 1 devices, got {len(rows)}")
-    hops = np.array([r[1] for r in rows])
-    volume = np.array([r[0] * r[2] for r in rows])   # bw(n)·B
-    t = np.array([r[3] for r in rows])
-    w = 1.0 / t
-    (alpha, inv_beta), *_ = np.linalg.lstsq(np.stack([hops * w, volume * w], 1), t * w, rcond=None)
-    if alpha < 0:
-        alpha = 0.0
-        inv_beta = float(np.sum(volume * w * t * w) / np.sum((volume * w) ** 2))
-    if inv_beta <= 0:   # no bandwidth term visible (all messages tiny): latency only
-        inv_beta = 1e-15
-        alpha = float(np.sum(hops * w * t * w) / np.sum((hops * w) ** 2))
-    return LinkSpec(bandwidth=1.0 / float(inv_beta), latency=float(alpha))
-
-
-def fit_line(xs: Sequence[float], ts: Sequence[float]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of t = intercept + slope·x, both clamped to >= 0.
-
-    Rows are weighted by 1/t (relative error), so the small sizes fix the intercept (a fixed
-    per-call overhead) as much as the large ones fix the slope (seconds per byte or per item)."""
-    rows = [(float(x), float(t)) for x, t in zip(xs, ts) if t > 0]
-    if len({x for x, _ in rows}) < 2:
-        raise InputError(f"a line fit needs timings at 2 or more distinct sizes, got {len(rows)}")
-    x, t = np.array([r[0] for r in rows]), np.array([r[1] for r in rows])
-    w = 1.0 / t
-    (intercept, slope), *_ = np.linalg.lstsq(np.stack([w, x * w], 1), t * w, rcond=None)
-    if intercept < 0:
-        return 0.0, max(0.0, float(np.sum(x * w * t * w) / np.sum((x * w) ** 2)))
-    if slope < 0:
-        return float(np.sum(w * t * w) / np.sum(w ** 2)), 0.0
-    return float(intercept), float(slope)
-
-
-def fit_links(samples: Sequence[Sample]) -> dict[str, dict[str, LinkSpec]]:
-    """Per link kind and collective kind, the alpha-beta fit of its samples."""
-    out: dict[str, dict[str, LinkSpec]] = {}
-    for link_kind in LINK_KINDS:
-        for kind in COLLECTIVE_KINDS:
-            rows = [(s.n, s.nbytes, s.seconds) for s in samples
-                    if s.link_kind == link_kind and s.kind == kind]
-            if len(rows) >= 2:
-                out.setdefault(link_kind, {})[kind] = fit_alpha_beta(kind, rows)
-    return out
-
-
 def build_profile(base: HardwareSpec, samples: Sequence[Sample], *, matmul_flops: float,
                   mem_bandwidth: float, op_overhead: float, devices_per_node: int | None,
                   dtype: str = "float32", name: str | None = None,
                   param_step_overhead: float | None = None,
-                  transcendental_rate: float | None = None) -> HardwareSpec:
+                  transcendental_rate: float | None = None, attention_flops: float | None = None,
+                  attention_backward_flops: float | None = None) -> HardwareSpec:
     """The calibrated spec: base's capacity, measured compute, fitted links (base's where unmeasured;
-    the per-tensor step overhead and the transcendental rate too when not measured)."""
+    the per-tensor step overhead, the transcendental rate and the attention efficiencies too when
+    not measured). An attention efficiency is its FLOP/s over the matmul's."""
     peak = max(base.flops(dtype), matmul_flops)
     fits = fit_links(samples)
     generic = {lk: fits[lk].get("all_reduce") or next(iter(fits[lk].values()))
@@ -160,7 +104,11 @@ def build_profile(base: HardwareSpec, samples: Sequence[Sample], *, matmul_flops
         devices_per_node=devices_per_node, compute_efficiency=min(1.0, matmul_flops / peak),
         collectives=fits, op_overhead=op_overhead,
         param_step_overhead=base.param_step_overhead if param_step_overhead is None else param_step_overhead,
-        transcendental_rate=base.transcendental_rate if transcendental_rate is None else transcendental_rate)
+        transcendental_rate=base.transcendental_rate if transcendental_rate is None else transcendental_rate,
+        attention_efficiency=(base.attention_efficiency if attention_flops is None
+                              else attention_flops / matmul_flops),
+        attention_backward_efficiency=(base.attention_backward_efficiency if attention_backward_flops is None
+                                       else attention_backward_flops / matmul_flops))
 
 
 # --- measuring (every rank runs these in the same order) -------------------------------------------
@@ -208,21 +156,22 @@ def _sustained_time(fn: Callable[[], object], device: torch.device, iters: int,
 
 
 def _collective_fns(kind: str, nbytes: int, group, pos: int, ranks: list[int], device: torch.device):
-    """A no-argument callable running one `kind` of B = nbytes in `group`; None if B is too small."""
+    """A no-argument callable running one `kind` of B = nbytes in `group`, as the lowered graph runs
+    it: a functional collective (out of place: all_reduce copies its input) and its wait_tensor."""
     n = len(ranks)
     numel = max(n, (nbytes // 4) // n * n)   # float32, divisible by n
     x = torch.ones(numel, device=device)
+    fc, name = torch.ops._c10d_functional, group.group_name
     if kind == "all_reduce":
-        return lambda: dist.all_reduce(x, group=group)
+        return lambda: fc.wait_tensor(fc.all_reduce(x, "sum", name))
     if kind == "all_gather":
         part = torch.ones(numel // n, device=device)
-        return lambda: dist.all_gather_into_tensor(x, part, group=group)
+        return lambda: fc.wait_tensor(fc.all_gather_into_tensor(part, n, name))
     if kind == "reduce_scatter":
-        out = torch.empty(numel // n, device=device)
-        return lambda: dist.reduce_scatter_tensor(out, x, group=group)
+        return lambda: fc.wait_tensor(fc.reduce_scatter_tensor(x, "sum", n, name))
     if kind == "all_to_all":
-        out = torch.empty_like(x)
-        return lambda: dist.all_to_all_single(out, x, group=group)
+        split = [numel // n] * n
+        return lambda: fc.wait_tensor(fc.all_to_all_single(x, split, split, name))
     peer = pos ^ 1   # send_recv: positions 2k and 2k+1 pair up; an odd one out only barriers
     if peer >= n:
         return lambda: None
@@ -264,7 +213,7 @@ def measure_collectives(mesh: Mesh, sizes: Sequence[int], iters: int, device: to
                 dist.barrier()
                 local.append(_mean_time(fn, device, iters))
                 plan.append((kind, link_kind, len(ranks), nbytes))
-    slowest = torch.tensor(local, dtype=torch.float64)
+    slowest = torch.tensor(local, dtype=torch.float64, device=device)  # NCCL reduces device tensors only
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return [Sample(k, lk, n, float(b), float(t)) for (k, lk, n, b), t in zip(plan, slowest.tolist())]
 
@@ -274,22 +223,37 @@ def measure_compute(device: torch.device, iters: int, dtype: torch.dtype, progre
     """Matmul and attention FLOP/s, pointwise bytes/s and the per-op overhead on `device`."""
     big = device.type == "cuda"
     dims = (2048, 4096, 8192) if big else ((256, 512) if quick else (512, 1024, 2048))
-    progress(f"matmul {dtype} at {', '.join(map(str, dims))}; attention; pointwise ops; op overhead")
+    progress(f"matmul {dtype} at {', '.join(map(str, dims))}; attention forward and backward; pointwise ops; "
+             "op overhead")
     rates = []
     for d in dims:
         a, b = torch.randn(d, d, device=device, dtype=dtype), torch.randn(d, d, device=device, dtype=dtype)
         rates.append(2 * d ** 3 / _sustained_time(lambda: a @ b, device, iters))
-    bh, s, hd = (16, 2048, 128) if big else (8, 128 if quick else 256, 64)
-    q = torch.randn(1, bh, s, hd, device=device, dtype=dtype)
-    t = _sustained_time(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), device, iters)
-    attention = 4 * bh * s * s * hd / 2 / t   # causal: half of the two s×s×hd matmuls
+    attention, attention_backward = measure_attention(device, iters, dtype, quick)
     numel = 1 << (24 if big else 18 if quick else 20)
     overhead, bandwidth = measure_pointwise(device, iters, dtype, numel)
     x = torch.randn(numel, device=device, dtype=dtype)
     special = statistics.median(numel / _sustained_time(lambda: op(x), device, iters)
                                 for op in (torch.exp, torch.tanh, F.gelu))
-    return {"matmul": statistics.median(rates), "attention": attention,
+    return {"matmul": statistics.median(rates), "attention": attention, "attention_backward": attention_backward,
             "bandwidth": bandwidth, "overhead": overhead, "transcendental": special}
+
+
+def measure_attention(device: torch.device, iters: int, dtype: torch.dtype, quick: bool = False) -> tuple[float, float]:
+    """FLOP/s of causal `scaled_dot_product_attention` forward and of its backward alone (autograd
+    on a kept graph), FLOPs counted by the cost model's own formulas for the kernels it prices."""
+    big = device.type == "cuda"
+    bh, s, hd = (16, 2048, 128) if big else (16, 128 if quick else 256, 64)
+    shape = (1, bh, s, hd)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    with torch.no_grad():
+        forward = _sustained_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, iters)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grad_out = torch.randn_like(out)
+    backward = _sustained_time(lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True),
+                               device, iters)
+    return (compute_model.attention_forward_flops(shape, shape, shape) / forward,
+            compute_model.attention_backward_flops(shape, shape, shape, shape) / backward)
 
 
 def measure_pointwise(device: torch.device, iters: int, dtype: torch.dtype, max_numel: int) -> tuple[float, float]:
@@ -332,11 +296,11 @@ def measure_param_step(device: torch.device, iters: int, counts: Sequence[int] =
     return fit_line(counts, times)[1]
 
 
-def _slowest(values: dict[str, float]) -> dict[str, float]:
+def _slowest(values: dict[str, float], device: torch.device) -> dict[str, float]:
     """Every rank's figures agreed: the slowest rank's (min rate, max overhead) so all get one spec."""
-    rates = ("matmul", "attention", "bandwidth", "transcendental")
+    rates = ("matmul", "attention", "attention_backward", "bandwidth", "transcendental")
     names = sorted(values)
-    t = torch.tensor([-values[k] if k in rates else values[k] for k in names], dtype=torch.float64)
+    t = torch.tensor([-values[k] if k in rates else values[k] for k in names], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return {k: -v if k in rates else v for k, v in zip(names, t.tolist())}
 
@@ -376,13 +340,15 @@ def calibrate(mesh_shape: Sequence[int] | None = None, *, sizes: Sequence[int] =
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     figures = measure_compute(device, iters, dtype, say, quick_compute)
     say("per-parameter step work: zero_grad, to_local, backward, AdamW over 4, 16, 64 DTensor parameters")
-    figures = _slowest({**figures, "param_step": measure_param_step(device, iters)})
+    figures = _slowest({**figures, "param_step": measure_param_step(device, iters)}, device)
     spec = build_profile(base_spec, samples, matmul_flops=figures["matmul"], mem_bandwidth=figures["bandwidth"],
                          op_overhead=figures["overhead"], devices_per_node=dpn,
                          dtype="bfloat16" if device.type == "cuda" else "float32",
-                         param_step_overhead=figures["param_step"], transcendental_rate=figures["transcendental"])
+                         param_step_overhead=figures["param_step"], transcendental_rate=figures["transcendental"],
+                         attention_flops=figures["attention"], attention_backward_flops=figures["attention_backward"])
     return Calibration(spec, tuple(samples), figures["matmul"], figures["attention"], figures["bandwidth"],
-                       figures["overhead"], figures["param_step"], figures["transcendental"])
+                       figures["overhead"], figures["param_step"], figures["transcendental"],
+                       figures["attention_backward"])
 
 
 def _device() -> torch.device:

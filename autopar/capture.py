@@ -36,7 +36,7 @@ import torch.fx
 import torch.nn as nn
 
 from autopar import _torch_compat as compat
-from autopar import capture_errors, stamp
+from autopar import capture_cache, capture_errors, stamp
 from autopar.rules import moe
 from autopar.errors import InputError, NoLossError
 from autopar.ir import ancestors
@@ -108,6 +108,7 @@ def capture(
     decompose: bool = True,
     stamp_layers: bool = True,
     mixed_precision: MixedPrecision | None = None,
+    cache: bool | None = None,
 ) -> Captured:
     """Capture one training step of `model` as a joint forward+backward ATen graph.
 
@@ -118,9 +119,37 @@ def capture(
     A stack of alike layers is traced three layers deep and stamped out (`autopar/stamp.py`);
     `stamp_layers=False` traces every layer. `mixed_precision` traces the forward under autocast
     (`autopar.precision`): the graph holds autocast's casts, parameters stay fp32.
+
+    Cache (`autopar/capture_cache.py`): a second capture of the same model object with inputs and
+    options that match returns a copy of the first graph instead of tracing again (`plan`, every
+    `autoparallelize` strategy on a rank, the pipeline search's micro-batch graphs). The copy is the
+    caller's to rewrite; the cache holds the model only weakly. `cache=False`, or the environment
+    variable AUTOPAR_CAPTURE_CACHE=0, traces every time; `capture_cache.clear_capture_cache()` forgets.
+    The key: every module's name, class, `forward` code, `training` flag, hook handles and plain
+    attributes (numbers, strings, dtypes, function names, such as dropout's `p`; also those of plain
+    objects a module holds, such as a transformers config with its dicts and sub-configs); every
+    parameter and buffer's name, shape, dtype, device, strides, requires_grad and which are tied;
+    global module hooks and the default dtype; each input's shape, dtype, device, strides and
+    requires_grad and each non-tensor keyword input's value; `loss_fn` by identity, `decompose`,
+    `stamp_layers` and `mixed_precision`.
+    Not caught (pass cache=False): parameter and buffer *values* (the trace is on fake tensors, but a
+    model whose trace branches on a value, or a plain tensor attribute that is not a buffer, changes
+    it), code other than each module's `forward` (helper methods, module-level functions, a closure's
+    variables, a `loss_fn` closure's variables), global torch settings other than the default dtype,
+    and attributes held more than two objects below a module.
     """
     args, kwargs = _check_inputs(example_inputs, example_kwargs)          # 1. validate, name
     _bind_inputs(model, args, kwargs)
+    options = dict(loss_fn=loss_fn, decompose=decompose, stamp_layers=stamp_layers, mixed_precision=mixed_precision)
+    if capture_cache.enabled(cache):
+        trace = lambda: _capture_layers(model, args, kwargs, **options)  # noqa: E731
+        return capture_cache.cached(model, args, kwargs, options, trace)
+    return _capture_layers(model, args, kwargs, **options)
+
+
+def _capture_layers(model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: Callable | None, decompose: bool,
+                    stamp_layers: bool, mixed_precision: MixedPrecision | None) -> Captured:
+    """Trace with layer stamping, or every layer when stamping does not apply."""
     stacks = stamp.find_stacks(model) if stamp_layers else []
     if stacks:
         try:
@@ -342,6 +371,12 @@ class _GraphRunner(torch.fx.Interpreter):
         return super().get_attr(target, args, kwargs)
 
 
+def _device_type(tensors) -> str:
+    """The device type the step is traced on: the first tensor's (meta is traced as CPU)."""
+    kind = next((t.device.type for t in tensors if isinstance(t, torch.Tensor)), "cpu")
+    return "cpu" if kind == "meta" else kind
+
+
 class _JointStep:
     """`(*params, *buffers, *inputs) -> (loss, *grads)` by functorch over the exported graph."""
 
@@ -361,7 +396,7 @@ class _JointStep:
             # buffers are an argument, not a closure: functorch only lets a function mutate its inputs.
             # Autocast covers the forward only (as `with autocast: loss = model(x)`; backward outside):
             # torch.export records ops above autocast, so the casts appear when this retrace runs them.
-            with autocast_forward(self.mixed_precision):
+            with autocast_forward(self.mixed_precision, _device_type(flat)):
                 out = _GraphRunner(self.exported, {**params, **buffers, **diff}, self.aliases).run(*inputs)
             loss = out[0] if isinstance(out, (tuple, list)) else out
             compat.tag_backward_nodes(loss)

@@ -29,6 +29,7 @@ from autopar.params import input_strategies, param_memory, param_strategies
 from autopar.placement import kind, local_fraction, replicated
 from autopar.reshard import ReshardCost
 from autopar.rules import IN_OP_COLLECTIVES, in_op_collectives
+from autopar.rules.strided import split_factors
 from autopar.strategies import NodeStrategy, StrategyEnumerator, is_getitem, prune_partials, val_of
 
 # "params" are the stored (master) shards and buffers; "gathered_params" the whole copies ZeRO-1/2
@@ -103,13 +104,14 @@ def _node_compute(node: fx.Node, strats: list[NodeStrategy], hw, axis_sizes) -> 
     # exp-class ops: one transcendental per output element
     out_elements = [float(o.numel()) if isinstance(o, torch.Tensor) and compute.is_transcendental(node.target)
                     else 0.0 for o in outs]
+    efficiency = compute.flop_efficiency(node.target, hw)   # attention kernels: below matmul speed
     times = np.empty(len(strats))
     for k, s in enumerate(strats):
         local = sum(b * local_fraction(spec, axis_sizes) for b, spec in zip(in_bytes, s.ins))
         local += sum(b * local_fraction(spec, axis_sizes) for b, spec in zip(out_bytes, s.outs) if spec is not None)
         elements = sum(e * local_fraction(spec, axis_sizes) for e, spec in zip(out_elements, s.outs)
                        if spec is not None)
-        times[k] = compute.op_time(flops / split_factor(s, axis_sizes), local, hw, dtype, elements)
+        times[k] = compute.op_time(flops / split_factor(s, axis_sizes), local, hw, dtype, elements, efficiency)
     return times
 
 
@@ -185,10 +187,12 @@ class ProblemBuilder:
         shape = tuple(int(s) for s in val_of(node).shape)
         is_param = node.meta["autopar_role"] == "param"
         trainable = is_param and node.meta["autopar_name"] in self.captured.grad_param_names
-        key = (shape, is_param, trainable)  # one shared list per kind of input, as for ops
+        factors = split_factors(node.graph) if is_param else frozenset()  # strided shards of fused weights
+        key = (shape, is_param, trainable, factors)  # one shared list per kind of input, as for ops
         if key not in self._placeholder_strategies:
-            self._placeholder_strategies[key] = (param_strategies(shape, self.axis_sizes, trainable) if is_param
-                                                 else input_strategies(shape, self.axis_sizes))
+            self._placeholder_strategies[key] = (
+                param_strategies(shape, self.axis_sizes, trainable, factors) if is_param
+                else input_strategies(shape, self.axis_sizes))
         return self._placeholder_strategies[key]
 
     def _node_costs(self, prob: Problem) -> None:

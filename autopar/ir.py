@@ -19,6 +19,13 @@
     bucket_layer_gathers
                   + parameter all-gathers may be fused per (phase, layer) into fused_all_gather nodes
                   placed before their first use (same meta["autopar_fused"]).
+    schedule_overlap
+                  + fused gradient (and loss) reductions may be split into buckets: a start node
+                  (start_all_reduce / start_reduce_scatter, listing its logical collectives in
+                  meta["autopar_fused"], meta["autopar_pass"] = "schedule_overlap") with exactly one
+                  user, its wait_buckets node. Only these may stay in flight while other nodes and
+                  collectives run (all are waited before the output); every other collective is
+                  still waited before the next one starts (no hoisted gathers).
     localize_shapes
                   + the program runs on LOCAL shapes: propagating fake tensors of each input's
                   local shape (parameters: the plan's master shard) gives every planned op the
@@ -37,7 +44,8 @@ COLLECTIVES = {c10d.all_gather_into_tensor.default, c10d.all_reduce.default, c10
                c10d.all_to_all_single.default}
 
 
-LOCAL_PASSES = ("lower_collectives", "bucket_collectives", "bucket_layer_gathers")  # nodes born local: no global val
+# nodes born local: no global val
+LOCAL_PASSES = ("lower_collectives", "bucket_collectives", "bucket_layer_gathers", "schedule_overlap")
 
 
 class IRError(AssertionError):
@@ -54,6 +62,7 @@ def verify(gm: fx.GraphModule, stage: str, ctx=None) -> None:
         "lower_collectives": (_captured, _lowered),
         "bucket_collectives": (_captured, _lowered),
         "bucket_layer_gathers": (_captured, _lowered),
+        "schedule_overlap": (_captured, _lowered),
         "localize_shapes": (_captured, _lowered, _local),
     }
     if stage not in checks:
@@ -112,16 +121,35 @@ def _lowered(gm, ctx) -> None:
 
 def _one_in_flight(gm) -> None:
     """Each collective is waited before the next one starts: nothing hoists gathers (ZeRO-3 memory)
-    or leaves many async ops in flight. Overlap scheduling, when it comes, relaxes this on purpose."""
+    or leaves many async ops in flight. The exception, on purpose: schedule_overlap's gradient
+    buckets (`_overlapped_buckets`), which stay in flight until their wait before the output."""
+    from autopar.passes.ops import start_all_reduce, start_reduce_scatter
+    starts = (start_all_reduce, start_reduce_scatter)
     pending = None
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in COLLECTIVES:
+        if node.op != "call_function":
+            continue
+        if node.target in COLLECTIVES or node.target in starts:
             if pending is not None:
                 _fail(node, f"collective starts while {pending.name} is still in flight")
-            pending = node
-        elif pending is not None and node.op == "call_function" and node.target is c10d.wait_tensor.default \
-                and node.args[0] is pending:
+            if node.target in starts:
+                _overlapped_bucket(node)
+            else:
+                pending = node
+        elif pending is not None and node.target is c10d.wait_tensor.default and node.args[0] is pending:
             pending = None
+
+
+def _overlapped_bucket(start: fx.Node) -> None:
+    """A bucket left in flight is schedule_overlap's, carries only gradient (or loss) reductions, and
+    has exactly one wait (after it: its only user)."""
+    from autopar.passes.ops import wait_buckets
+    if [u.target for u in start.users] != [wait_buckets]:
+        _fail(start, "overlapped bucket without exactly one wait_buckets")
+    reasons = [r["reason"] for r in start.meta.get("autopar_fused", ())]
+    if start.meta.get("autopar_pass") != "schedule_overlap" or not reasons \
+            or not all(r.startswith("gradient") or r == "loss to every rank" for r in reasons):
+        _fail(start, "only schedule_overlap's gradient buckets may stay in flight")
 
 
 def _local(gm, ctx) -> None:

@@ -5,7 +5,8 @@ A parameter's strategy, per mesh axis, is one of four modes:
     zero1   use R,    master S(d), full gradient held, reduce-scattered (ZeRO-1: optimizer state 1/n)
     zero2   use R,    master S(d), gradient reduce-scattered as made    (ZeRO-2: + gradients 1/n)
     shard   use S(d), master S(d), gradient local S(d)                  (tensor parallel, or ZeRO-3
-            when its consumers need R and gather it at each use)
+            when its consumers need R and gather it at each use); also a strided SS(d, k) where the
+            graph splits a dim of that size into k equal pieces (a fused qkv weight)
 `master` is what the optimizer steps on (a DTensor parameter on the runtime mesh); `use` is what the
 graph reads. zero1/zero2 gather the master once per step (all_gather, forward phase).
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from autopar.placement import R, S, divides, local_fraction
+from autopar.placement import SS, R, S, divides, local_fraction
 from autopar.strategies import NodeStrategy
 
 MODES = ("dp", "zero1", "zero2", "shard")
@@ -39,8 +40,10 @@ def zero_dim(shape: tuple[int, ...], n: int) -> int | None:
     return None
 
 
-def _axis_options(shape, n: int, trainable: bool) -> list[tuple[str, object, object, object]]:
-    """(mode, use, master, grad_hold) choices on one axis of size n."""
+def _axis_options(shape, n: int, trainable: bool,
+                  split_factors=frozenset()) -> list[tuple[str, object, object, object]]:
+    """(mode, use, master, grad_hold) choices on one axis of size n; `split_factors` ((size, k) pairs,
+    autopar/rules/strided.py) add strided shards of dims of that size (a fused [q; k; v] weight)."""
     opts = [("dp", R, R, R)]
     if n == 1:
         return opts
@@ -48,11 +51,14 @@ def _axis_options(shape, n: int, trainable: bool) -> list[tuple[str, object, obj
     if trainable and dz is not None:
         opts += [("zero1", R, S(dz), R), ("zero2", R, S(dz), S(dz))]
     opts += [("shard", S(d), S(d), S(d)) for d in range(len(shape)) if shape[d] % n == 0 and shape[d] >= n]
+    opts += [("shard", SS(d, k), SS(d, k), SS(d, k)) for d in range(len(shape)) for size, k in sorted(split_factors)
+             if shape[d] == size and size % (k * n) == 0]
     return opts
 
 
-def param_strategies(shape: tuple[int, ...], axis_sizes: tuple[int, ...], trainable: bool) -> list[ParamStrategy]:
-    per_axis = [_axis_options(shape, n, trainable) for n in axis_sizes]
+def param_strategies(shape: tuple[int, ...], axis_sizes: tuple[int, ...], trainable: bool,
+                     split_factors=frozenset()) -> list[ParamStrategy]:
+    per_axis = [_axis_options(shape, n, trainable, split_factors) for n in axis_sizes]
     out = []
     for combo in itertools.product(*per_axis):
         use = tuple(c[1] for c in combo)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopar import pipeline_plan as pp
 from autopar.canonicalize import canonicalize
@@ -113,14 +113,16 @@ class _StageFn(torch.autograd.Function):
         env.update({("saved", i): v for i, v in enumerate(fctx.saved)})
         if not stage.is_last:
             for name, g, like in zip(prog.outputs, grads, fctx.like):
-                env[("grad", name)] = torch.zeros_like(like) if g is None else g
+                g = torch.zeros_like(like) if g is None else g
+                env[("grad", name)] = stage.relayout(g, prog, name, to_grad=True)
         outs = prog.backward(*[env[k] for k in prog.backward_args])
         scale = grads[0] if stage.is_last and not _is_one(grads[0]) else None
         outs = [o if o is None or scale is None else o * scale for o in outs]
         by_param = dict(zip(prog.grad_params, outs))
         by_input = dict(zip(prog.input_grads, outs[len(prog.grad_params):]))
         param_grads = [by_param.get(n) for n in stage.param_names]
-        input_grads = [by_input.get(n) for n in prog.inputs]
+        input_grads = [None if by_input.get(n) is None else stage.relayout(by_input[n], prog, n, to_grad=False)
+                       for n in prog.inputs]
         fctx.saved = fctx.locals = None
         return (None, None, *_distinct(param_grads), *input_grads)
 
@@ -132,9 +134,10 @@ def _is_one(g) -> bool:
 class _StageModule(nn.Module):
     """What PipelineStage runs: forward(*boundary inputs) -> boundary outputs (the last stage: the loss)."""
 
-    def __init__(self, program: StageProgram, params: dict, buffers: dict, is_last: bool):
+    def __init__(self, program: StageProgram, params: dict, buffers: dict, is_last: bool, mesh):
         super().__init__()
         self.program, self.is_last, self._is_last = program, is_last, is_last
+        object.__setattr__(self, "mesh", mesh)
         self.param_names = [n for n in program.params if n in params]
         for i, n in enumerate(self.param_names):
             self.register_parameter(f"p{i}", params[n])
@@ -144,6 +147,17 @@ class _StageModule(nn.Module):
         env = {("param", n): t for n, t in zip(self.param_names, locals_)}
         env.update({("buffer", n): b.to_local() for n, b in self._buffers_by_name.items()})
         return env
+
+    def relayout(self, g: torch.Tensor, prog: StageProgram, name: str, to_grad: bool) -> torch.Tensor:
+        """A boundary gradient between the value's layout (what PipelineStage sends and checks) and the
+        layout the backward program makes and reads (`StageProgram.grad_specs`), by DTensor redistribute."""
+        if name not in prog.grad_specs:
+            return g
+        shape, _, value_spec = prog.values[name]
+        src, dst = (value_spec, prog.grad_specs[name]) if to_grad else (prog.grad_specs[name], value_spec)
+        dt = DTensor.from_local(g, self.mesh, list(src), run_check=False, shape=torch.Size(shape),
+                                stride=torch.empty(shape, device="meta").stride())
+        return dt.redistribute(self.mesh, list(dst)).to_local().contiguous()
 
     def forward(self, *inputs):
         locals_ = [getattr(self, f"p{i}").to_local() for i in range(len(self.param_names))]
@@ -172,7 +186,7 @@ class PipelinedModule(nn.Module):
         self._coords = coords[1:]
         params, buffers = self._distribute(model, captured, [programs[k] for k in self._chunks], stage_plan)
         last = len(programs) - 1
-        object.__setattr__(self, "_stages", [_StageModule(programs[k], params, buffers, k == last)
+        object.__setattr__(self, "_stages", [_StageModule(programs[k], params, buffers, k == last, sub_dm)
                                              for k in self._chunks])
         self._shared = _shared_groups(programs, self._pp_rank, self._num_ranks, self._per_stage, coords[1:], sub_dm)
         pipes = [self._pipeline_stage(programs[k], mod, k, len(programs), sub_dm)

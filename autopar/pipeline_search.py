@@ -11,18 +11,13 @@ micro-batch, and every schedule. Each candidate is priced in three steps:
   3. `stages.partition` splits the units into pp stages exactly for the schedule, under the budget.
 Steps 1-2 depend on (micro-batch size, dp, tp) only, not on pp or the schedule: they are cached and
 reused across every pp value, which is exact. If no split fits, the SPMD plan is re-solved with a
-memory row of pp * budget, then half of that (a stage then holds ~1/pp of the state), before the
-candidate is called infeasible; a row the looser plan already meets is not re-solved.
+memory row of pp * budget, then half of that, before the candidate is called infeasible
+(`autopar.pipeline_candidates`, which also holds the branch and bound).
 Before any capture, a model whose parameters, gradients and optimizer state exceed the budget even
 sharded over all N devices is refused (InfeasiblePlanError with that floor).
-Branch and bound (`_branch_and_bound`, on by default) keeps the search exact while skipping
-SPMD solves: a candidate is priced only if a lower bound of its step time is within the k-th
-fastest found so far (k = `exact_top`). The bounds hold for every plan of the cost model: no op or
-parameter on k devices costs less than 1/k of its one-device time (roofline on local FLOPs and
-bytes, both >= 1/k), edges cost >= 0, and the schedules' step time is >= f * S + P / pp for S the
-per-micro-batch seconds, P the per-step seconds, f = 1/v + (m - 1/v) / pp (`stages.step_lower_bound`);
-the second bound also charges the resharding of a spanning forest of the cost graph
-(`autopar.forest_bound`). `prune=False` prices every candidate (tests compare the two).
+Branch and bound (`pipeline_candidates.branch_and_bound`, on by default) keeps the search exact while
+skipping SPMD solves: a candidate is priced only if a lower bound of its step time is within the k-th
+fastest found so far (k = `exact_top`). `prune=False` prices every candidate (tests compare the two).
 A forced `strategy` per sub-mesh axis turns the same machinery into the hand-written recipes
 (DP, ZeRO, Megatron TP, PP x DP, FSDP x TP x PP) that benchmarks/plan_quality.py compares against.
 """
@@ -41,39 +36,14 @@ from autopar.costing import ProblemBuilder
 from autopar.costmodel.memory import format_bytes, optimizer_state_bytes_per_param, parse_bytes
 from autopar.errors import InfeasiblePlanError, InputError
 from autopar.forest_bound import forest_lower_bound, spanning_forest
-from autopar.layer_profile import layer_costs
+from autopar.layer_profile import layer_costs, unit_names
 from autopar.mesh import Mesh
+from autopar.pipeline_candidates import INTERLEAVE, Candidate, branch_and_bound, price
 from autopar.solver import solve
-from autopar.stages import SCHEDULES, LayerCost, StageSplit, mesh_factorizations, partition, step_lower_bound
+from autopar.stages import SCHEDULES, LayerCost, mesh_factorizations
 
 DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-INTERLEAVE = 2            # chunks per device for interleaved_1f1b
-INNER_TIGHTENING = (1.0, 0.5)   # inner SPMD memory rows tried, as fractions of pp * budget
 PROBLEMS_KEPT = 2         # SPMD Problems a Profiler keeps for re-solving under other memory rows
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One priced point of the search: a (pp, dp, tp) mesh, micro-batch count and schedule."""
-    pp: int
-    dp: int
-    tp: int
-    num_microbatches: int
-    schedule: str                        # a stages.SCHEDULES name ("1f1b" with pp = 1: gradient accumulation)
-    feasible: bool
-    step_time: float | None              # seconds (None when infeasible)
-    memory_per_device: float             # fullest stage's bytes, or the least any split needs
-    split: StageSplit | None = None
-    stage_modules: tuple[tuple[str, ...], ...] = ()   # unit names per stage (chunk for interleaved)
-    inner_budget: float | None = None    # the SPMD memory row the profile was solved under
-    reason: str = ""
-
-    def as_dict(self) -> dict:
-        """A JSON-ready row (for Plan.baselines or a report)."""
-        return {"mesh": {"pp": self.pp, "dp": self.dp, "tp": self.tp}, "num_microbatches": self.num_microbatches,
-                "schedule": self.schedule, "feasible": self.feasible, "time": self.step_time,
-                "memory": self.memory_per_device, "bounds": list(self.split.bounds) if self.split else None,
-                "bubble": float(self.split.bubble_fraction) if self.split else None, "reason": self.reason}
 
 
 @dataclass(frozen=True)
@@ -140,7 +110,7 @@ class Profiler:
         self.captures: dict[int, tuple] = {}
         self.profiles: dict[tuple, tuple[LayerCost, ...] | InfeasiblePlanError] = {}
         self.problems: dict[tuple, object] = {}            # insertion-ordered: the oldest is dropped first
-        self.floors: dict[int, tuple[float, float]] = {}
+        self.floors: dict[int, tuple[float, float, int]] = {}   # (per micro-batch, per step, units)
         self.forests: dict = {}                             # the spanning forest of the last Problem bounded
 
     def captured(self, m: int):
@@ -221,8 +191,14 @@ class Profiler:
             prob = ProblemBuilder(cap, Mesh((1,), ("dp",), self.hardware, self.dpn), self.optimizer).build()
             seconds = [float(np.min(c + lc)) for c, lc in zip(prob.compute, prob.local_comm)]
             step = sum(t for t, n in zip(seconds, prob.nodes) if n.op == "placeholder")
-            self.floors[m] = (sum(seconds) - step, step)
-        return self.floors[m]
+            self.floors[m] = (sum(seconds) - step, step, len(set(unit_names(prob)[1])))
+        return self.floors[m][:2]
+
+    def num_units(self, m: int) -> int:
+        """How many units (`layer_costs`) the micro-batch graph has: the same for every micro-batch
+        size and sub-mesh (the units are the model's modules)."""
+        self.one_device_seconds(m)
+        return self.floors[m][2]
 
 
 def search(model, example_inputs, *, mesh: Mesh, memory_budget=None, schedules=DEFAULT_SCHEDULES,
@@ -235,8 +211,8 @@ def search(model, example_inputs, *, mesh: Mesh, memory_budget=None, schedules=D
     SPMD recipe per sub-mesh axis ({"dp": "zero3", "tp": "tp"}: hand-written 3D recipes); a
     `profiler` from an earlier search of the same model and hardware reuses its captures and plans.
     `accumulate=False` leaves out gradient accumulation (one stage, several micro-batches).
-    `prune` (branch and bound, see `_branch_and_bound`) skips candidates that provably cannot be among
-    the `exact_top` fastest; `prune=False` prices every one (the result's best is the same).
+    `prune` (branch and bound, see `pipeline_candidates.branch_and_bound`) skips candidates that provably
+    cannot be among the `exact_top` fastest; `prune=False` prices every one (the result's best is the same).
     Raises InfeasiblePlanError with the least memory any candidate needs when none fits."""
     for s in schedules:
         if s not in SCHEDULES:
@@ -260,8 +236,11 @@ def search(model, example_inputs, *, mesh: Mesh, memory_budget=None, schedules=D
                 continue
             names = schedules if pp > 1 else ("1f1b",)   # one stage: every schedule is accumulation
             jobs.append((pp, dp, tp, m, tuple(names)))
-    found = _branch_and_bound(prof, jobs, budget, strategy, exact_top) if prune else \
-        [c for job in jobs for c in _price(prof, *job, budget, strategy)]
+    if jobs:   # a stage holds whole units: `price` finds no split into more stages than units
+        units = prof.num_units(jobs[0][3])
+        jobs = [job for job in jobs if job[0] <= units]
+    found = branch_and_bound(prof, jobs, budget, strategy, exact_top) if prune else \
+        [c for job in jobs for c in price(prof, *job, budget, strategy)]
     if not found:
         raise InputError(f"no (pp, dp, tp, micro-batch) candidate for {mesh.size} devices and batch {batch}: "
                          "the batch must divide into micro-batches that the data-parallel axis can split")
@@ -299,85 +278,6 @@ def _check_state_fits(model, world: int, budget: float | None, optimizer: str) -
             f"the model's parameters, gradients and {optimizer} state need {format_bytes(floor)} per device even "
             f"sharded over all {world} devices; the budget is {format_bytes(budget)}: use more devices",
             min_memory_per_device=floor, budget=budget)
-
-
-def _branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int) -> list[Candidate]:
-    """Price `jobs` best-first by a lower bound of their step time, skipping every candidate whose
-    bound exceeds the `keep`-th fastest feasible time found so far: it cannot be among the `keep`
-    fastest, so the search's best (and its keep - 1 runners-up) are those of pricing every job.
-    Two bounds, cheap first: `stages.step_lower_bound` of the one-device seconds of the micro-batch
-    size (no Problem needed; it orders the (micro-batch size, dp, tp) groups, whose memory rows are
-    solved together while their Problem is kept), then the spanning-forest relaxation of the
-    group's Problem (`Profiler.forest_bound`, which adds the communication a forest must pay)."""
-    groups: dict[tuple, list[tuple]] = {}
-    for pp, dp, tp, m, names in jobs:
-        ops, step = prof.one_device_seconds(m)
-        for s in names:
-            bound = step_lower_bound(ops / (dp * tp), step / (dp * tp), pp, m, s, INTERLEAVE)
-            groups.setdefault((m, *Profiler._inner(dp, tp, strategy)), []).append((bound, pp, dp, tp, m, s))
-    found: list[Candidate] = []
-    fastest: list[float] = []
-    cutoff = float("inf")
-    for group in sorted(groups.values(), key=lambda g: min(g)[0]):   # stable: enumeration order on ties
-        if min(group)[0] > cutoff:
-            break  # every later group's least bound is larger still
-        # the forest needs the group's Problem: worth building first only where the solve is the costly
-        # 2-D one (auto on a dp x tp sub-mesh); 1-D and forced-recipe groups solve by the DP in a blink
-        forest = strategy is None and min(group[0][2], group[0][3]) > 1
-        for bound, pp, dp, tp, m, s in group:
-            if bound > cutoff or (forest and cutoff < float("inf") and
-                                  prof.forest_bound(m, dp, tp, strategy, pp, s) > cutoff):
-                continue
-            new = _price(prof, pp, dp, tp, m, (s,), budget, strategy)
-            found += new
-            fastest = sorted(fastest + [c.step_time for c in new if c.feasible])[:keep]
-            # the bound is a sum of the same terms in another order: allow for float rounding
-            cutoff = fastest[-1] * (1 + 1e-9) if len(fastest) == keep else float("inf")
-    return found
-
-
-def _price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, strategy=None) -> list[Candidate]:
-    """Candidates of one (pp, dp, tp, m) for each schedule: the loosest SPMD memory row whose split fits."""
-    full = Mesh((pp, dp, tp), ("pp", "dp", "tp"), prof.hardware, prof.dpn)
-    p2p = (lambda nbytes: full.collective_time("send_recv", nbytes, "pp")) if pp > 1 else (lambda nbytes: 0.0)
-    rows = [None] + ([pp * budget * f for f in INNER_TIGHTENING] if budget is not None else [])
-    out = []
-    for schedule in schedules:
-        v = INTERLEAVE if schedule == "interleaved_1f1b" else 1
-        if v > 1 and m % pp:
-            continue  # interleaving needs whole rounds of pp micro-batches
-        best, least, total = None, float("inf"), None
-        for row in rows:
-            if total is not None and row is not None and total <= row:
-                continue  # the looser plan already fits this row: a re-solve would return it again
-            try:
-                layers = prof.layers(m, dp, tp, row, strategy)
-            except InfeasiblePlanError as e:  # no SPMD plan fits this row: a tighter one cannot either
-                if pp == 1:  # one stage: the whole graph's memory is the device's
-                    least = min(least, e.min_memory_per_device or float("inf"))
-                break
-            total = sum(x.state_bytes + x.activation_bytes for x in layers)
-            if pp * v > len(layers):
-                break
-            try:
-                split = partition(layers, pp, m, schedule, p2p_time=p2p, memory_budget=budget, v=v)
-            except InfeasiblePlanError as e:
-                least = min(least, e.min_memory_per_device or float("inf"))
-                continue
-            best = Candidate(pp, dp, tp, m, schedule, True, split.step_time, max(split.stage_memory), split,
-                             _stage_modules(layers, split), row)
-            break
-        if best is None and least < float("inf"):
-            best = Candidate(pp, dp, tp, m, schedule, False, None, least,
-                             reason=f"needs {format_bytes(least)} per device")
-        if best is not None:
-            out.append(best)
-    return out
-
-
-def _stage_modules(layers, split: StageSplit) -> tuple[tuple[str, ...], ...]:
-    ends = list(split.bounds[1:]) + [len(layers)]
-    return tuple(tuple(x.name for x in layers[a:b]) for a, b in zip(split.bounds, ends))
 
 
 def to_plan(result: SearchResult, model, *, memory_budget=None, optimizer: str = "adamw", time_limit=None):

@@ -70,12 +70,14 @@ def resolve(value) -> MixedPrecision | None:
     raise InputError(f"mixed_precision={value!r} is not supported; accepted: {', '.join(ACCEPTED)}")
 
 
-def autocast_forward(policy: MixedPrecision | None):
-    """The context the captured forward runs in: autocast on the CPU (capture traces fake CPU
-    tensors, so CPU autocast's op lists decide which ops compute in the low dtype)."""
+def autocast_forward(policy: MixedPrecision | None, device_type: str = "cpu"):
+    """The context the captured forward runs in: autocast for the device of the traced tensors (fake
+    CPU tensors for a CPU or meta model, fake CUDA ones for a CUDA model), so that device's autocast
+    op lists decide which ops compute in the low dtype. Autocast of one device type leaves another
+    device's ops alone: a CPU context around CUDA tensors would trace an fp32 step."""
     if policy is None:
         return contextlib.nullcontext()
-    return torch.autocast("cpu", dtype=policy.param_dtype)
+    return torch.autocast(device_type, dtype=policy.param_dtype)
 
 
 def reduce_itemsize(policy: MixedPrecision | None, dtype: torch.dtype) -> int:

@@ -5,6 +5,8 @@ Per axis (n devices, B = bytes of the tensor as held across that axis):
     P -> S(i) : reduce_scatter(B)      S(i)->S(j): all_to_all(B / n)
     R -> S(i) : free (local slice)     R -> P    : free (rank 0 keeps it, others zero; avg: as is)
     S(i) -> P : all_gather(B)          P(a)->P(b): all_reduce(B)
+A strided shard (placement.SS) moves as a Shard (its gather, reduce-scatter and slice add only a local
+reorder); between a strided and any other shard it goes through Replicate: all_gather(B) and a slice.
 Axes are processed in mesh order and B follows the tensor as each axis changes (a gather on axis 0
 makes the message on axis 1 larger). `steps()` lists the collectives, `time()` sums them.
 
@@ -21,7 +23,7 @@ from functools import lru_cache
 
 from autopar.costmodel.comm import collective_time
 from autopar.costmodel.hardware import LinkSpec
-from autopar.placement import R, Spec, is_partial, is_shard, local_fraction
+from autopar.placement import R, Spec, is_partial, is_shard, is_strided, local_fraction
 
 BUCKET_BYTES = 25 * 2**20
 LAUNCH_FRACTION = 0.1
@@ -40,6 +42,8 @@ def axis_step(src, dst, axis: int, nbytes: float, n: int) -> Step | None:
     if is_shard(dst):
         if is_partial(src):
             return Step("reduce_scatter", axis, nbytes)
+        if is_shard(src) and (is_strided(src) or is_strided(dst)):
+            return Step("all_gather", axis, nbytes)  # through Replicate, then a local slice
         if is_shard(src):
             return Step("all_to_all", axis, nbytes / n)
         return None  # R -> S: slice locally

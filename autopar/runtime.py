@@ -9,6 +9,8 @@ autograd, which fills `p.grad` as DTensors.
 """
 from __future__ import annotations
 
+import math
+
 import os
 
 import torch
@@ -23,7 +25,7 @@ from autopar.capture import capture
 from autopar.errors import DeviceError, InputError, MeshError
 from autopar.materialize import is_meta, stream_tensors
 from autopar.mesh import Mesh
-from autopar.placement import local_shape
+from autopar.placement import is_strided, local_shape, pieces
 from autopar.plan import Plan
 from autopar.planner import _reject_unsupported, fingerprint, plan_captured
 from autopar.passes import PassContext, run_passes
@@ -301,13 +303,15 @@ def _local_slice(x: torch.Tensor, spec, coords, axis_sizes) -> torch.Tensor:
     for d in range(len(full)):
         if loc[d] == full[d]:
             continue
-        # offset of this rank's block along d: nested chunks in mesh-axis order
-        offset, size = 0, full[d]
+        # offset of this rank's block along d: nested chunks in mesh-axis order; a strided shard
+        # (placement.SS, alone on its dim) takes that block of each of its k pieces
+        k = math.prod(pieces(p) for p in spec if getattr(p, "dim", None) == d and is_strided(p))
+        offset, size = 0, full[d] // k
         for axis, p in enumerate(spec):
             if getattr(p, "dim", None) == d and not p.is_partial():
                 size //= axis_sizes[axis]
                 offset += coords[axis] * size
-        x = x.narrow(d, offset, size)
+        x = x.unflatten(d, (k, full[d] // k)).narrow(d + 1, offset, size).flatten(d, d + 1)
     return x
 
 

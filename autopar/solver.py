@@ -81,6 +81,33 @@ def _mip(p: Problem, backend: str, deadline: float, hint: dict[int, int] | None,
     return (restore(records, choice) if choice is not None else None), status, bound
 
 
+class _Memo:
+    """Budget-free results of `_search` kept in a caller's cache, in original strategy indices (the
+    strategies `compact` keeps depend on the budget): recalled when every strategy is still kept."""
+
+    def __init__(self, store: dict | None, keep: dict[int, np.ndarray]):
+        self.store, self.keep = store, keep
+
+    def get(self, name: str, compute) -> tuple[dict[int, int], float] | None:
+        if self.store is not None and name in self.store:
+            found = self.store[name]
+            pos = {i: np.flatnonzero(k == found[0][i]) for i, k in self.keep.items()}
+            if all(len(w) for w in pos.values()):
+                return {i: int(w[0]) for i, w in pos.items()}, found[1]
+        out = compute()
+        if self.store is not None and out is not None:   # None (not proven in time) is tried again
+            self.store[name] = ({i: int(self.keep[i][c]) for i, c in out[0].items()}, out[1])
+        return out
+
+
+def _time_optimum(p: Problem, order: list[int] | None, deadline: float, stats: dict, gap: float
+                  ) -> tuple[dict[int, int], float] | None:
+    """min time without the memory row: the DP, or HiGHS when its tables are too large."""
+    if order is not None:
+        return solve_unconstrained(p, order=order)
+    return _unconstrained_mip(p, deadline, stats, gap)
+
+
 def _pair_variables(p: Problem) -> int:
     return int(sum(np.isfinite(r).sum() for r in p.edges.values()))
 
@@ -98,7 +125,13 @@ def _unconstrained_mip(p: Problem, deadline: float, stats: dict, gap: float) -> 
 
 def _least_memory(p: Problem, order: list[int] | None = None) -> tuple[dict[int, int], float]:
     """Exact minimum of memory_offset + Σ memory over assignments that avoid every inf.
-    `order`: `problem_order(p)` if known (the problem solved here has p's shape)."""
+    `order`: `problem_order(p)` if known (the problem solved here has p's shape).
+    Each node on its least-memory allowed strategy attains `_memory_floor`, a lower bound: when that
+    assignment crosses no forbidden pair it is the minimum, found without the DP or an ILP."""
+    pick = {i: int(np.argmin(np.where(np.isfinite(t), p.memory[i], np.inf))) for i, t in p.time.items()}
+    if all(np.isfinite(t[pick[i]]) for i, t in p.time.items()) and \
+            all(np.isfinite(e[pick[u], pick[v]]) for (u, v), e in p.edges.items()):
+        return pick, p.memory_offset + sum(float(m[pick[i]]) for i, m in p.memory.items())
     r = Problem(p.names, {i: np.where(np.isfinite(t), p.memory[i], np.inf) for i, t in p.time.items()},
                 {i: np.zeros_like(t) for i, t in p.time.items()},
                 {k: np.where(np.isfinite(e), 0.0, np.inf) for k, e in p.edges.items()},
@@ -135,27 +168,30 @@ def _fits(p: Problem, choice: dict[int, int] | None) -> bool:
 
 
 def _search(p: Problem, backend: str, deadline: float, hint: dict[int, int] | None,
-            deterministic: bool, stats: dict, gap: float) -> tuple[dict[int, int], str, float, str]:
-    """The solve strategy of the module docstring; returns (assignment, status, bound, backend)."""
+            deterministic: bool, stats: dict, gap: float, memo: _Memo | None = None
+            ) -> tuple[dict[int, int], str, float, str]:
+    """The solve strategy of the module docstring; returns (assignment, status, bound, backend).
+    `memo` recalls the two budget-free relaxations (time optimum, least memory) from an earlier
+    solve of the same graph and `fixed` under another budget."""
+    memo = memo or _Memo(None, {})
     bound, candidates, out, exact = -math.inf, [hint] if _fits(p, hint) else [], None, "dp"
     order = problem_order(p)  # None: the DP's tables would be too large (found before any work)
     if backend in ("auto", "dp"):
         if order is None and backend == "dp":
             raise SolverError("backend 'dp': the elimination tables are too large for this graph")
         if p.budget is not None and _memory_floor(p) > p.budget:  # nothing fits: skip the time optimum
-            least = _least_memory(p, order)[1]
+            least = memo.get("least", lambda: _least_memory(p, order))[1]
             if not math.isfinite(least) or least > p.budget:
                 _raise_infeasible(p, least)
-        out = solve_unconstrained(p, order=order) if order is not None else None
-        if out is None:  # treewidth too high for the DP (2-D meshes): the same relaxation by ILP
-            out, exact = _unconstrained_mip(p, deadline, stats, gap), "highs"
+        out = memo.get("time", lambda: _time_optimum(p, order, deadline, stats, gap))
+        exact = "dp" if order is not None else "highs"
         if out is not None:
             if _fits(p, out[0]):
                 return out[0], "optimal", out[1], exact
             if not math.isfinite(out[1]):
                 _raise_infeasible(p, math.inf)
             bound = out[1]
-    least_choice, least = _least_memory(p, order)
+    least_choice, least = memo.get("least", lambda: _least_memory(p, order))
     if not math.isfinite(least) or (p.budget is not None and least > p.budget):
         _raise_infeasible(p, least)
     candidates.append(least_choice)
@@ -215,7 +251,8 @@ def solve(cg: CostGraph, *, time_limit: float | None = None, backend: str = "aut
     plans). "optimal" means proven within the relative `mip_gap`; `lower_bound` holds the proven
     bound. Raises InfeasiblePlanError (with the minimum memory) when no plan fits.
     `cache`: a dict kept by a caller that solves the same `cg` several times (other `fixed`, hint or
-    memory budget, but the same nodes, edges and layers): work that depends on those only is reused.
+    memory budget, but the same nodes, edges and layers): work that depends on those only is reused
+    (the layer quotient; the time optimum without the memory row and the least memory, per `fixed`).
     """
     if backend not in BACKENDS:
         raise InputError(f"unknown solver backend {backend!r}; choose one of {sorted(BACKENDS)}")
@@ -233,8 +270,10 @@ def solve(cg: CostGraph, *, time_limit: float | None = None, backend: str = "aut
     p, keep = compacted
     stats = {"nodes": len(cg.nodes), "edges": len(cg.edges), "strategies": sum(len(t) for t in full.time.values()),
              "kept_strategies": sum(len(k) for k in keep.values())}
+    store = None if cache is None else cache.setdefault(("relaxations", _fixed_key(fixed), cg.memory_offset), {})
+    memo = _Memo(store, keep)
     choice_d, status, bound, used = _search(p, backend, deadline, _compact_hint(hint, keep), deterministic, stats,
-                                            mip_gap)
+                                            mip_gap, memo)
     choice = np.array([keep[i][choice_d[i]] for i in range(len(cg.nodes))], dtype=np.int64)
     if hint is not None and status != "optimal" and _fits(full, dict(enumerate(hint))) \
             and full.evaluate(dict(enumerate(hint)))[0] < full.evaluate(dict(enumerate(choice)))[0]:
@@ -242,6 +281,10 @@ def solve(cg: CostGraph, *, time_limit: float | None = None, backend: str = "aut
     t, mem = evaluate(cg, choice)
     bound = min(bound, t)
     return Solution(choice, t, mem, bound, status, used, _time.monotonic() - start, stats)
+
+
+def _fixed_key(fixed: dict[int, list[int]] | None) -> tuple:
+    return tuple(sorted((i, tuple(int(s) for s in a)) for i, a in (fixed or {}).items()))
 
 
 def _compact_hint(hint: np.ndarray | None, keep: dict[int, np.ndarray]) -> dict[int, int] | None:
@@ -265,6 +308,18 @@ def _quotient(cg: CostGraph, cache: dict | None) -> tuple[CostGraph, np.ndarray,
     return CostGraph(q.nodes, q.edges, cg.memory_budget, cg.memory_offset), rep, first
 
 
+def _node_memory_floor(cg: CostGraph, fixed: dict[int, list[int]] | None) -> float:
+    """memory_offset + Σ_i min memory over i's allowed finite-time strategies (`_memory_floor` of the
+    full graph without building its Problem): no plan, tiled or not, needs less."""
+    total = cg.memory_offset
+    for i, nd in enumerate(cg.nodes):
+        mem, ok = np.asarray(nd.memory, float), np.isfinite(np.asarray(nd.time, float))
+        if fixed and i in fixed:
+            ok = ok & np.isin(np.arange(len(mem)), fixed[i])
+        total += float(mem[ok].min(initial=math.inf))
+    return total
+
+
 def _quotient_fixed(fixed: dict[int, list[int]] | None, rep: np.ndarray) -> dict[int, list[int]]:
     """The strategies each quotient node may use: those every member of it may use."""
     qfixed: dict[int, list[int]] = {}
@@ -281,14 +336,20 @@ def _quotient_fixed(fixed: dict[int, list[int]] | None, rep: np.ndarray) -> dict
 
 def _solve_tiled(cg: CostGraph, *, hint: np.ndarray | None, fixed: dict[int, list[int]] | None,
                  cache: dict | None = None, **kw) -> Solution:
-    """Solve the layer quotient, tile its plan; fall back to the full graph if no tiled plan fits."""
+    """Solve the layer quotient, tile its plan; fall back to the full graph if no tiled plan fits,
+    unless the least tiled memory already equals the full graph's per-node floor (then no plan fits:
+    this skips a full-graph solve per infeasible memory row of the pipeline search)."""
     start = _time.monotonic()
     q, rep, first = _quotient(cg, cache)
     qfixed = _quotient_fixed(fixed, rep)
+    inner = None if cache is None else cache.setdefault("quotient_solves", {})   # the quotient's relaxations
     try:
-        sq = solve(q, hint=None if hint is None else np.asarray(hint)[first], fixed=qfixed, **kw)
-    except InfeasiblePlanError:
-        return solve(cg, hint=hint, fixed=fixed, **kw)
+        sq = solve(q, hint=None if hint is None else np.asarray(hint)[first], fixed=qfixed, cache=inner, **kw)
+    except InfeasiblePlanError as e:
+        least = e.min_memory_per_device
+        if least is not None and math.isfinite(least) and least <= _node_memory_floor(cg, fixed) * (1 + 1e-12):
+            raise   # no plan of the full graph needs less than its node floor: untiled plans fit no better
+        return solve(cg, hint=hint, fixed=fixed, cache=cache, **kw)
     choice = sq.choice[rep]
     t, mem = evaluate(cg, choice)
     stats = {**sq.stats, "tiled": True, "nodes": len(cg.nodes), "quotient_nodes": len(q.nodes)}

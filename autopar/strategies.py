@@ -53,7 +53,7 @@ class StrategyEnumerator:
 
     def __call__(self, node: fx.Node) -> list[NodeStrategy]:
         call = OpCall(node, val_of)
-        key = repr((node.target, call.args, call.kwargs, call.outs, self.axis_sizes))
+        key = repr((node.target, call.args, call.kwargs, call.outs, self.axis_sizes, call.strided))
         self.signature[node] = key
         if key in self._cache:
             self.cache_hits += 1

@@ -17,7 +17,8 @@ Hand recipes, each priced by `autopar.pipeline_search` with the recipe forced on
 "auto" is the full search (every pp x dp x tp, micro-batch count, schedule; SPMD solver inside;
 branch and bound, see autopar/pipeline_search.py). Prints one row per case: auto's step time, the
 best recipe and its time, auto / best, auto's layout, auto's search time (wall, CPU; it runs first,
-so the first budget's is a cold search and the second reuses its captures) and the row's wall time.
+so the first budget's is a cold search and the second reuses its captures) and the row's wall and CPU
+time.
 """
 from __future__ import annotations
 
@@ -120,7 +121,7 @@ def _print(row: dict) -> None:
     shape = f"pp{auto.pp} dp{auto.dp} tp{auto.tp} m{auto.num_microbatches} {auto.schedule}" if auto else "-"
     print(f"{row['model']:<10}{row['devices']:>5}{row['budget']:>7} {_fmt(auto)} {_fmt(hand)} "
           f"{(row['best_recipe'] or '-'):<12}{ratio}  {shape:<32}{row['auto_seconds']:6.1f}s{row['auto_cpu']:6.1f}s"
-          f"{row['seconds']:6.0f}s", flush=True)
+          f"{row['seconds']:6.0f}s{row['cpu']:6.0f}s", flush=True)
 
 
 def main() -> None:
@@ -132,7 +133,7 @@ def main() -> None:
     names = args.model or ["gpt2-124m", "gpt2-350m", "gpt2-1.5b", "llama-7b", "llama-13b", "llama-70b"]
     cases = QUICK if args.quick else [(m, n) for m in names for n in (args.devices or DEVICES)]
     print(f"{'model':<10}{'dev':>5}{'budget':>7} {'auto ms':>10} {'hand ms':>10} {'best recipe':<12}{'ratio':>6}  "
-          f"{'auto plan':<32}{'search':>7}{'cpu':>7}{'row':>7}")
+          f"{'auto plan':<32}{'search':>7}{'cpu':>7}{'row':>7}{'cpu':>7}")
     rows = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -11,6 +11,10 @@ Exp-class pointwise ops (`TRANSCENDENTAL_OPS`: exp, gelu, softmax, tanh, ...) al
 bound, E/T: E elements at the hardware's `transcendental_rate` T. On a CPU it binds (gelu is ~10x
 slower than its bytes); on a GPU the special-function units outrun memory and M/W still binds.
 
+Fused attention kernels run below matmul speed, the backward more so (CPU: 0.5-0.8 of it): their
+F/(η·P) is divided by the hardware's `attention_efficiency` (forward) or
+`attention_backward_efficiency` (`flop_efficiency`), both measured by `autopar calibrate`.
+
 `ROOFLINE` is the same formula in sympy, t = max(F/(η·P), M/W, E/T) + o, and `explain_compute`
 prints it with its numbers.
 """
@@ -34,14 +38,14 @@ def _bmm_flops(batch: int, m: int, k: int, n: int) -> int:
     return 2 * batch * m * k * n
 
 
-def _attention_forward_flops(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
+def attention_forward_flops(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
     """q @ k^T then scores @ v, as torch's own sdpa formula (GQA: k/v heads broadcast to q's)."""
     b, h, s_q, d_q = query_shape
     s_k, d_v = key_shape[2], value_shape[3]
     return _bmm_flops(b * h, s_q, d_q, s_k) + _bmm_flops(b * h, s_q, s_k, d_v)
 
 
-def _attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shape,
+def attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shape,
                               *args, **kwargs) -> int:
     """Recompute scores, then grad_scores, grad_v, grad_q, grad_k: five batched matmuls."""
     b, h, s_q, d_q = query_shape
@@ -54,9 +58,15 @@ def _attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shap
 # torch's flop counter has no entry for the CPU flash-attention kernels that torch.export emits on
 # CPU; give them the same formulas as the GPU attention kernels.
 _CUSTOM_FORMULAS: dict[Any, Callable[..., int]] = {
-    aten._scaled_dot_product_flash_attention_for_cpu: _attention_forward_flops,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention_backward_flops,
+    aten._scaled_dot_product_flash_attention_for_cpu: attention_forward_flops,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: attention_backward_flops,
 }
+ATTENTION_FORWARD_OPS = frozenset(getattr(aten, name) for name in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"))
+ATTENTION_BACKWARD_OPS = frozenset(getattr(aten, name) for name in (
+    "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward"))
 _COUNTED_OPS = frozenset(
     FlopCounterMode(display=False, custom_mapping=_CUSTOM_FORMULAS).flop_registry)
 _FLOP_CACHE: dict[tuple, float] = {}
@@ -73,32 +83,46 @@ TRANSCENDENTAL_OPS = frozenset(getattr(aten, name) for name in (
 
 
 def op_time(flops: float, nbytes: float, hw: HardwareSpec, dtype: torch.dtype | str,
-            elements: float = 0.0) -> float:
-    """Roofline seconds: the largest of compute time at achievable peak, memory-traffic time and,
-    for `elements` of an exp-class op, their time at `transcendental_rate`; plus the per-launch
-    overhead (`ROOFLINE` evaluated in floats)."""
-    compute = flops / (hw.flops(dtype_name(dtype)) * hw.compute_efficiency)
+            elements: float = 0.0, efficiency: float = 1.0) -> float:
+    """Roofline seconds: the largest of compute time at achievable peak (times `efficiency`, see
+    `flop_efficiency`), memory-traffic time and, for `elements` of an exp-class op, their time at
+    `transcendental_rate`; plus the per-launch overhead (`ROOFLINE` evaluated in floats)."""
+    compute = flops / (hw.flops(dtype_name(dtype)) * hw.compute_efficiency * efficiency)
     special = elements / hw.transcendental_rate if hw.transcendental_rate else 0.0
     return max(compute, nbytes / hw.mem_bandwidth, special) + hw.op_overhead
 
 
 def explain_compute(flops: float, nbytes: float, hw: HardwareSpec,
-                    dtype: torch.dtype | str = "float32", elements: float = 0.0) -> str:
+                    dtype: torch.dtype | str = "float32", elements: float = 0.0,
+                    efficiency: float = 1.0) -> str:
     """One line: the roofline formula, its numbers, which side binds, and the seconds.
 
     e.g. "max(F/(η·P), M/W) + o = max(1.07 GFLOP / (0.6·67.0 TFLOP/s), 12.6 MB / 3.35 TB/s) + 0 s
-    = 26.7 µs (compute bound)"; with `elements` of an exp-class op, E/T joins the max.
+    = 26.7 µs (compute bound)"; with `elements` of an exp-class op, E/T joins the max; an
+    attention kernel's `efficiency` (`flop_efficiency`) shows as a factor of η.
     """
     peak = hw.flops(dtype_name(dtype))
-    compute, memory = flops / (peak * hw.compute_efficiency), nbytes / hw.mem_bandwidth
+    eta = hw.compute_efficiency * efficiency
+    compute, memory = flops / (peak * eta), nbytes / hw.mem_bandwidth
     special = elements / hw.transcendental_rate if elements and hw.transcendental_rate else 0.0
     bound = ("compute bound" if compute >= max(memory, special)
              else "memory bound" if memory >= special else "transcendental bound")
     third = (f", {elements:.3g} / {hw.transcendental_rate:.3g}/s" if special else "")
     return (f"max(F/(η·P), M/W{', E/T' if special else ''}) + o = max({flops / 1e9:.3g} GFLOP / "
-            f"({hw.compute_efficiency:.3g}·{peak / 1e12:.3g} TFLOP/s), {format_bytes(nbytes)} / "
+            f"({eta:.3g}·{peak / 1e12:.3g} TFLOP/s), {format_bytes(nbytes)} / "
             f"{format_bytes(hw.mem_bandwidth)}/s{third}) + {format_seconds(hw.op_overhead)} = "
-            f"{format_seconds(op_time(flops, nbytes, hw, dtype, elements))} ({bound})")
+            f"{format_seconds(op_time(flops, nbytes, hw, dtype, elements, efficiency))} ({bound})")
+
+
+def flop_efficiency(target: Any, hw: HardwareSpec) -> float:
+    """The fraction of matmul FLOP/s that `target` achieves on `hw`: the attention efficiencies for
+    fused attention kernels (forward or backward), 1 for every other op."""
+    packet_ = getattr(target, "overloadpacket", None)
+    if packet_ in ATTENTION_FORWARD_OPS:
+        return hw.attention_efficiency
+    if packet_ in ATTENTION_BACKWARD_OPS:
+        return hw.attention_backward_efficiency
+    return 1.0
 
 
 def is_transcendental(target: Any) -> bool:

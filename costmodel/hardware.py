@@ -55,6 +55,10 @@ class HardwareSpec:
     softmax, tanh, ...) compute: on a CPU they are compute bound, several times slower than their
     bytes. 0 means unmeasured (priced by bytes alone). The GPU presets take their special-function
     units' throughput, far above what memory feeds, so bytes still bind there.
+    `attention_efficiency` and `attention_backward_efficiency` are the achieved FLOP/s of the fused
+    attention kernels (forward; backward) as a fraction of a large matmul's (η·P), counting FLOPs by
+    `costmodel.compute`'s formulas: on a CPU the backward runs well below matmul speed. 1 prices
+    attention as a matmul. `autopar calibrate` measures both; the GPU presets' are estimates.
     """
 
     name: str
@@ -69,6 +73,8 @@ class HardwareSpec:
     op_overhead: float = 0.0          # seconds each kernel launch adds (calibrated; presets: 0)
     param_step_overhead: float = 0.0  # seconds a step adds per (DTensor) parameter tensor
     transcendental_rate: float = 0.0  # elements/s of exp-class pointwise ops (0: bytes alone)
+    attention_efficiency: float = 1.0           # attention forward FLOP/s / matmul FLOP/s
+    attention_backward_efficiency: float = 1.0  # attention backward FLOP/s / matmul FLOP/s
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -76,7 +82,8 @@ class HardwareSpec:
         # floats so that equal specs fingerprint the same.
         object.__setattr__(self, "peak_flops", {k: float(v) for k, v in self.peak_flops.items()})
         for name in ("mem_bandwidth", "mem_capacity", "compute_efficiency", "op_overhead",
-                     "param_step_overhead", "transcendental_rate"):
+                     "param_step_overhead", "transcendental_rate", "attention_efficiency",
+                     "attention_backward_efficiency"):
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "collectives", {k: dict(v) for k, v in self.collectives.items()})
 
@@ -99,8 +106,9 @@ class HardwareSpec:
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict; `HardwareSpec.from_json` reads it back (also from a JSON string).
 
-        The optional figures (`_OPTIONAL`: overheads, transcendental rate) are written only when
-        set, so profiles written before they existed keep their fingerprints."""
+        The optional figures (`_OPTIONAL`: overheads, rates, attention efficiencies) are written only
+        when they differ from their defaults, so profiles written before they existed keep their
+        fingerprints."""
         data = {
             "name": self.name,
             "peak_flops": dict(self.peak_flops),
@@ -113,8 +121,8 @@ class HardwareSpec:
             "collectives": {lk: {c: _link_to_json(l) for c, l in d.items()}
                             for lk, d in self.collectives.items()},
         }
-        for name in _OPTIONAL:
-            if getattr(self, name):
+        for name, default in _OPTIONAL.items():
+            if getattr(self, name) != default:
                 data[name] = getattr(self, name)
         return data
 
@@ -147,9 +155,10 @@ class HardwareSpec:
 
 _FIELDS = ("name", "peak_flops", "mem_bandwidth", "mem_capacity", "intra_node", "inter_node",
            "devices_per_node", "compute_efficiency", "collectives", "op_overhead", "param_step_overhead",
-           "transcendental_rate")
+           "transcendental_rate", "attention_efficiency", "attention_backward_efficiency")
 _REQUIRED = _FIELDS[:7]
-_OPTIONAL = ("op_overhead", "param_step_overhead", "transcendental_rate")   # 0 when absent
+_OPTIONAL = {"op_overhead": 0.0, "param_step_overhead": 0.0, "transcendental_rate": 0.0,   # default when absent
+             "attention_efficiency": 1.0, "attention_backward_efficiency": 1.0}
 _FIX = "fix the field or regenerate the profile with HardwareSpec.save()"
 
 
@@ -191,6 +200,8 @@ def _validate(spec: HardwareSpec) -> None:
     _check_non_negative("op_overhead", spec.op_overhead)
     _check_non_negative("param_step_overhead", spec.param_step_overhead)
     _check_non_negative("transcendental_rate", spec.transcendental_rate)
+    _check_positive("attention_efficiency", spec.attention_efficiency)
+    _check_positive("attention_backward_efficiency", spec.attention_backward_efficiency)
     if not isinstance(spec.collectives, dict) or not set(spec.collectives) <= set(LINK_KINDS):
         raise HardwareError(f"field 'collectives' must map {LINK_KINDS} to collective fits; {_FIX}")
     for link_kind, fits in spec.collectives.items():
@@ -239,7 +250,7 @@ def _spec_from_dict(data: Any) -> HardwareSpec:
         devices_per_node=data["devices_per_node"],
         compute_efficiency=data.get("compute_efficiency", 0.6),
         collectives=fits,
-        **{name: data.get(name, 0.0) for name in _OPTIONAL},
+        **{name: data.get(name, default) for name, default in _OPTIONAL.items()},
     )
 
 
@@ -266,6 +277,11 @@ CPU = HardwareSpec(
     # that matmul's slowdown against the idle machine's 47 GFLOP/s.
     param_step_overhead=1e-3,
     transcendental_rate=5e8,
+    # causal sdpa (1 x 16 heads x 256 x 64) against 512-2048^3 matmuls, one thread per process, five
+    # calibrations at loads 8-17: forward 0.72-0.84, backward 0.46-0.77 (most 0.66-0.77) of the
+    # matmul's FLOP/s (FLOPs as costmodel.compute counts them)
+    attention_efficiency=0.75,
+    attention_backward_efficiency=0.65,
 )
 
 # NVIDIA A100 SXM4 80GB. "NVIDIA A100 Tensor Core GPU Datasheet"
@@ -286,6 +302,9 @@ A100 = HardwareSpec(
     compute_efficiency=0.6,
     param_step_overhead=10e-6,   # see HardwareSpec: AdamW's foreach path on DTensors
     transcendental_rate=2.4e12,  # 108 SMs x 16 SFU results/clock x 1.41 GHz (A100 whitepaper)
+    # Estimates: H100's figures (measured on an H200, see H100), not measured on an A100.
+    attention_efficiency=0.74,
+    attention_backward_efficiency=0.59,
 )
 
 # NVIDIA H100 SXM5 80GB. "NVIDIA H100 Tensor Core GPU Datasheet"
@@ -304,6 +323,11 @@ H100 = HardwareSpec(
     compute_efficiency=0.6,
     param_step_overhead=10e-6,   # see HardwareSpec: AdamW's foreach path on DTensors
     transcendental_rate=4.2e12,  # 132 SMs x 16 SFU results/clock x 1.98 GHz (H100 whitepaper)
+    # Causal bf16 sdpa (1 x 16 heads x 2048 x 128, autopar calibrate's GPU shape) against an 8192^3
+    # bf16 matmul (788 TFLOP/s), measured on an H200 (same tensor cores; an estimate for the H100):
+    # forward 0.74, backward 0.59 of the matmul's FLOP/s (0.46 / 0.40 at 64 heads x 1024 x 64).
+    attention_efficiency=0.74,
+    attention_backward_efficiency=0.59,
 )
 
 # NVIDIA H200 SXM 141GB. "NVIDIA H200 Tensor Core GPU" product page / datasheet

@@ -21,6 +21,7 @@ from .insert_redistribute import insert_redistribute_pass
 from .localize_shapes import localize_shapes_pass
 from .lower_collectives import lower_collectives_pass
 from .recompute import recompute_pass
+from .schedule_overlap import schedule_overlap_pass
 
 PIPELINE = (
     ("apply_plan", apply_plan_pass),                    # plan -> node.meta specs
@@ -29,6 +30,7 @@ PIPELINE = (
     ("lower_collectives", lower_collectives_pass),      # redistribute -> functional collectives
     ("bucket_collectives", bucket_collectives_pass),    # gradient (and ZeRO-1/2 gather) collectives -> 25 MB buckets
     ("bucket_layer_gathers", bucket_layer_gathers_pass),  # a layer's parameter gathers (ZeRO-3) -> one per phase
+    ("schedule_overlap", schedule_overlap_pass),        # gradient buckets start in the backward, waited at the end
     ("localize_shapes", localize_shapes_pass),          # global size arguments -> local
 )
 
@@ -65,7 +67,7 @@ def emitted_collectives(gm: fx.GraphModule) -> list[dict]:
     for node in gm.graph.nodes:
         if "autopar_collective" in node.meta:
             out.append(node.meta["autopar_collective"])
-        out.extend(node.meta.get("autopar_fused", ()))
+        out.extend(node.meta.get("autopar_fused", ()))  # fused nodes and overlap-scheduled starts
     return out
 
 
@@ -77,4 +79,4 @@ def _dump(folder: str, fname: str, gm: fx.GraphModule) -> None:
 
 __all__ = ["PIPELINE", "PassContext", "run_passes", "describe", "emitted_collectives", "apply_plan_pass", "insert_redistribute_pass",
            "lower_collectives_pass", "bucket_collectives_pass", "bucket_layer_gathers_pass",
-           "localize_shapes_pass", "recompute_pass"]
+           "localize_shapes_pass", "recompute_pass", "schedule_overlap_pass"]

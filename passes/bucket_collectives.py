@@ -46,14 +46,16 @@ def bucket_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
     groups = {k: w for k, w in groups.items() if len(w) > 1}
     if not groups:
         return gm  # nothing to fuse: the graph is returned unchanged
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}  # once: new nodes get their anchor's position
     for key, waits in groups.items():
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}  # a 2-D gradient's second collective
-        target, *rest = key                                     # reads the first group's fused output
+        target, *rest = key
         inputs = [w.args[0].args[0] for w in waits]
         fn = {**STEP_END, **STEP_START}[target]
-        with gm.graph.inserting_after(max(inputs, key=order.get)):  # users are re-sorted below
+        anchor = max(inputs, key=order.__getitem__)  # a 2-D gradient's second collective reads the
+        with gm.graph.inserting_after(anchor):        # first group's fused output; users re-sorted below
             fused = gm.graph.call_function(fn, (inputs, *rest))
             outs = [gm.graph.call_function(operator.getitem, (fused, i)) for i in range(len(waits))]
+        order.update({n: order[anchor] + 0.5 for n in (fused, *outs)})
         phase = waits[0].meta["autopar_collective"]["phase"]
         fused.meta.update(autopar_fused=[w.meta["autopar_collective"] for w in waits], phase=phase,
                           autopar_pass="bucket_collectives")

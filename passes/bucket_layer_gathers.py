@@ -94,9 +94,9 @@ def bucket_layer_gathers_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
     groups = {k: m for k, m in groups.items() if len(m) > 1}
     if not groups:
         return gm  # nothing to fuse: the graph is returned unchanged
+    nodes = list(gm.graph.nodes)  # once: first uses are compute nodes, which fusing neither moves nor erases
+    order = {n: i for i, n in enumerate(nodes)}
     for members in groups.values():
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}
-        nodes = list(gm.graph.nodes)
         _fuse(gm, members, nodes[min(_first_use(w, order) for w, _ in members)])
     stable_toposort(gm)  # view chains of a weight made early (for backward) now follow the fused gather
     gm.graph.lint()

@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 
 from autopar.placement import local_shape
-from autopar.rules.localize import SIZE_ARG, localize_args
+from autopar.rules.localize import SIZE_ARG, SPLIT_ARG, localize_args
 from .context import PassContext
 
 
@@ -23,14 +23,16 @@ def localize_shapes_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         if packet is torch.ops.aten.convolution_backward:
             _localize_bias_sizes(node, ctx)
             continue
-        if packet is None or (packet not in SIZE_ARG and packet.__name__ not in ("slice", "slice_copy")):
+        if packet is None or (packet not in SIZE_ARG and packet not in SPLIT_ARG
+                              and packet.__name__ not in ("slice", "slice_copy")):
             continue
         val = node.meta["val"]
         out_spec = node.meta["autopar_outs"][0]
         inputs = node.all_input_nodes
         in_val = inputs[0].meta.get("val") if inputs else None
         in_spec = node.meta["autopar_ins"][0] if inputs else None
-        node.args = localize_args(node.target, node.args, tuple(val.shape), out_spec,
+        out_shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None  # a split: several outputs
+        node.args = localize_args(node.target, node.args, out_shape, out_spec,
                                   tuple(in_val.shape) if in_val is not None else None, in_spec, ctx.axis_sizes)
     gm.graph.lint()
     gm.recompile()

@@ -6,6 +6,7 @@ Per axis of size n, with this rank at coordinate c:
     P -> S(d)     reduce_scatter_tensor along d           R -> S(d)  narrow(d, c * size, size)
     S(i) -> S(j)  all_to_all_single                       R -> P     rank 0 keeps x, others zeros (avg: x)
     S -> P, P(a) -> P(b): through Replicate.
+    strided shards (SS(d, k)): gather + local reorder, slice, reorder + reduce_scatter (`_strided_axis`).
 Collectives work on dim 0: along a dim d != 0, one permute-copy moves the n pieces between dim 0
 and their place (after a gather, before a reduce-scatter). Inputs are copied only when not dense. Every
 collective's wait node carries meta["autopar_collective"] = (kind, axis, phase, reason).
@@ -22,7 +23,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from autopar.placement import R, is_partial, is_shard, local_shape
+from autopar.placement import R, is_partial, is_shard, is_strided, local_shape, pieces
 from autopar.debug import log
 from autopar.reshard import transitions
 from autopar.rules import moe
@@ -92,6 +93,8 @@ def _axis(em: _Emitter, x: fx.Node, src, dst, axis: int, shape: tuple) -> fx.Nod
     n, c, group = ctx.axis_sizes[axis], ctx.coords[axis], ctx.group_names[axis]
     if src == dst or n == 1:
         return x
+    if is_strided(src) or is_strided(dst):
+        return _strided_axis(em, x, src, dst, axis, shape)
     if is_partial(src) and (dst == R or is_partial(dst)):
         y = em.collective("all_reduce", axis, c10d.all_reduce.default, x, src.reduce_op, group)
         return y if dst == R else _axis(em, y, R, dst, axis, shape)
@@ -113,6 +116,41 @@ def _axis(em: _Emitter, x: fx.Node, src, dst, axis: int, shape: tuple) -> fx.Nod
     if dst.reduce_op == "sum" and c != 0:
         return em.call(aten.zeros_like.default, x)
     return x
+
+
+def _swap_blocks(em: _Emitter, x: fx.Node, d: int, shape: tuple, a: int, b: int) -> fx.Node:
+    """x (local shape `shape`) with dim d viewed as [a, b, m] reordered to [b, a, m] (one copy)."""
+    m = shape[d] // (a * b)
+    blocks = em.call(aten.view.default, em.call(contiguous, x), [*shape[:d], a, b, m, *shape[d + 1:]])
+    moved = em.call(aten.transpose.int, blocks, d, d + 1)
+    dense = em.call_kw(aten.clone.default, (moved,), {"memory_format": torch.contiguous_format})
+    return em.call(aten.view.default, dense, list(shape))
+
+
+def _strided_axis(em: _Emitter, x: fx.Node, src, dst, axis: int, shape: tuple) -> fx.Node:
+    """Moves to or from a strided shard SS(d, k) (rank r holds [piece0_r; ...; piece(k-1)_r]):
+        SS -> R   all_gather along d ([n, k, m] blocks), then reorder to [k, n, m]
+        R -> SS   keep block c of each piece          P -> SS   reorder to [n, k, m], reduce_scatter
+        anything else: through Replicate (as autopar.reshard prices it)."""
+    n, c = em.ctx.axis_sizes[axis], em.ctx.coords[axis]
+    if is_strided(src):
+        d, k = src.dim, pieces(src)
+        full = list(shape)
+        full[d] *= n
+        y = _swap_blocks(em, em.gather(x, d, shape, axis), d, tuple(full), n, k)
+        return y if dst == R else _axis(em, y, R, dst, axis, tuple(full))
+    d, k = dst.dim, pieces(dst)
+    if is_partial(src):
+        return em.reduce_scatter(_swap_blocks(em, x, d, shape, k, n), d, shape, axis, src.reduce_op)
+    if is_shard(src):  # a plain shard: gather it whole first
+        full = list(shape)
+        full[src.dim] *= n
+        return _axis(em, em.gather(x, src.dim, shape, axis), R, dst, axis, tuple(full))
+    m = shape[d] // (k * n)
+    blocks = em.call(aten.view.default, em.call(contiguous, x), [*shape[:d], k, n, m, *shape[d + 1:]])
+    mine = em.call(aten.select.int, blocks, d + 1, c)
+    dense = em.call_kw(aten.clone.default, (mine,), {"memory_format": torch.contiguous_format})
+    return em.call(aten.view.default, dense, [*shape[:d], k * m, *shape[d + 1:]])
 
 
 def _all_to_all(em: _Emitter, x: fx.Node, i: int, j: int, axis: int, shape: tuple) -> fx.Node:

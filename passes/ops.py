@@ -6,6 +6,8 @@ it only checks that no real movement is needed (world size 1).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -66,35 +68,63 @@ def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     return flat
 
 
-def fused_all_reduce(tensors: list[torch.Tensor], op: str, group: str) -> list[torch.Tensor]:
-    """All-reduce many tensors as few flat buckets (one collective each)."""
-    c10d = torch.ops._c10d_functional
-    out: list = [None] * len(tensors)
-    for bucket in _buckets(tensors):
-        flat = _flatten([tensors[i] for i in bucket])
-        flat = c10d.wait_tensor(c10d.all_reduce(flat, op, group))
-        for i, piece in zip(bucket, flat.split([tensors[i].numel() for i in bucket])):
-            out[i] = piece.view(tensors[i].shape)
-    return out
+@dataclass(frozen=True)
+class InFlight:
+    """Flat buckets whose collectives are in flight, and how to cut their results back into tensors:
+    `buckets[k]` lists the tensors `flats[k]` carries, `shapes[i]` is result i's shape."""
+    flats: tuple[torch.Tensor, ...]
+    buckets: tuple[tuple[int, ...], ...]
+    shapes: tuple[torch.Size, ...]
 
 
-def fused_reduce_scatter(tensors: list[torch.Tensor], op: str, n: int, group: str) -> list[torch.Tensor]:
-    """Reduce-scatter many tensors along dim 0 (each (n*a, ...)) as few flat buckets."""
+def start_all_reduce(tensors: list[torch.Tensor], op: str, group: str) -> InFlight:
+    """Start all-reducing many tensors as few flat buckets (one collective each); returns at once.
+    The flat buffer is this op's own copy, so the reduction runs in place (no second copy)."""
     c10d = torch.ops._c10d_functional
-    out: list = [None] * len(tensors)
-    for bucket in _buckets(tensors):
+    buckets = _buckets(tensors)
+    flats = [c10d.all_reduce_(_flatten([tensors[i] for i in bucket]), op, group) for bucket in buckets]
+    return InFlight(tuple(flats), tuple(map(tuple, buckets)), tuple(t.shape for t in tensors))
+
+
+def start_reduce_scatter(tensors: list[torch.Tensor], op: str, n: int, group: str) -> InFlight:
+    """Start reduce-scattering many tensors along dim 0 (each (n*a, ...)) as few flat buckets."""
+    c10d = torch.ops._c10d_functional
+    flats = []
+    buckets = _buckets(tensors)
+    for bucket in buckets:
         sizes = [tensors[i].numel() // n for i in bucket]
         rows = torch.empty(n, sum(sizes), dtype=tensors[bucket[0]].dtype, device=tensors[bucket[0]].device)
         for i, cols in zip(bucket, rows.split(sizes, dim=1)):  # one copy each, whatever the layout
             t = tensors[i]
             cols.view(n, t.shape[0] // n, *t.shape[1:]).copy_(t.unflatten(0, (n, t.shape[0] // n)))
-        mine = c10d.wait_tensor(c10d.reduce_scatter_tensor(rows, op, n, group)).reshape(-1)
-        for i, piece in zip(bucket, mine.split(sizes)):
-            shape = (tensors[i].shape[0] // n, *tensors[i].shape[1:])
-            out[i] = piece.view(shape)
+        flats.append(c10d.reduce_scatter_tensor(rows, op, n, group))
+    shapes = tuple(torch.Size((t.shape[0] // n, *t.shape[1:])) for t in tensors)
+    return InFlight(tuple(flats), tuple(map(tuple, buckets)), shapes)
+
+
+def wait_buckets(pending: InFlight) -> list[torch.Tensor]:
+    """Wait for every bucket of `pending`; its results as views of the flat buffers."""
+    c10d = torch.ops._c10d_functional
+    out: list = [None] * len(pending.shapes)
+    for flat, bucket in zip(pending.flats, pending.buckets):
+        flat = c10d.wait_tensor(flat).reshape(-1)
+        for i, piece in zip(bucket, flat.split([pending.shapes[i].numel() for i in bucket])):
+            out[i] = piece.view(pending.shapes[i])
     return out
 
 
+def fused_all_reduce(tensors: list[torch.Tensor], op: str, group: str) -> list[torch.Tensor]:
+    """All-reduce many tensors as few flat buckets (one collective each), all in flight together."""
+    return wait_buckets(start_all_reduce(tensors, op, group))
+
+
+def fused_reduce_scatter(tensors: list[torch.Tensor], op: str, n: int, group: str) -> list[torch.Tensor]:
+    """Reduce-scatter many tensors along dim 0 (each (n*a, ...)) as few flat buckets."""
+    return wait_buckets(start_reduce_scatter(tensors, op, n, group))
+
+
+start_all_reduce.__module__ = start_reduce_scatter.__module__ = wait_buckets.__module__ = "autopar.passes.ops"
+InFlight.__module__ = "autopar.passes.ops"
 fused_all_reduce.__module__ = fused_reduce_scatter.__module__ = "autopar.passes.ops"
 
 

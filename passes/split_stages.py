@@ -70,6 +70,9 @@ class StageProgram:
     input_grads: list            # boundary input names, in the order backward returns their gradients
     shared_params: list = field(default_factory=list)  # params whose gradient is summed across stages
     values: dict = field(default_factory=dict)  # boundary name -> (global shape, dtype, spec or None)
+    # boundary name -> spec of its gradient where the plan lays it out unlike the value (e.g. a replicated
+    # activation whose gradient is split on the sequence): the runtime converts at the stage boundary
+    grad_specs: dict = field(default_factory=dict)
 
     @property
     def params(self) -> list[str]:
@@ -411,6 +414,24 @@ def _backward_program(split: _Split, s: int, inputs: list, outputs: list, saved:
     return b.output(outs), b.args, grad_params, [x.name for x in input_grads]
 
 
+def _spec(node: fx.Node):
+    outs = node.meta.get("autopar_outs")
+    return outs[0] if outs else None
+
+
+def _grad_specs(split: _Split, values: list) -> dict:
+    """Boundary values whose crossing gradient has another layout than the value (see StageProgram)."""
+    out = {}
+    for x in values:
+        specs = {_spec(u) for u, t in split.crossing.items() if t is x}
+        if len(specs) > 1:
+            raise StageSplitError(f"the gradient of {x.name} crosses stages in {len(specs)} layouts; cut the model "
+                                  "elsewhere (num_stages) or report the model")
+        if specs and specs != {_spec(x)} and None not in specs | {_spec(x)}:
+            out[x.name] = specs.pop()
+    return out
+
+
 def _value_meta(node: fx.Node) -> tuple:
     val, outs = node.meta["val"], node.meta.get("autopar_outs")
     return tuple(val.shape), val.dtype, (outs[0] if outs else None)
@@ -442,7 +463,8 @@ def split_stages(gm: fx.GraphModule, stage_units: list[list[str]], unit_names: l
             differentiable={x.name: x in split.diff for x in inputs + outputs}, num_saved=len(saved),
             grad_params=grad_params, input_grads=input_grads,
             shared_params=[p for p in split.cones if s in split.owners[p]],
-            values={x.name: _value_meta(x) for x in inputs + outputs}))
+            values={x.name: _value_meta(x) for x in inputs + outputs},
+            grad_specs=_grad_specs(split, inputs + outputs)))
         inputs = outputs
     check_programs(programs)
     return programs

@@ -1,7 +1,10 @@
 """Workers for the multi-process tests (importable by spawned processes)."""
 from __future__ import annotations
 
+import contextlib
 import copy
+import itertools
+import weakref
 from collections import Counter
 
 import torch
@@ -49,25 +52,59 @@ def train_steps(pmodel, batches, steps: int, lr: float = LR) -> tuple[list[float
     return losses, opt
 
 
-def train_parallel(rank, world, model, batches, steps, kw):
-    """autoparallelize + AdamW for `steps` steps; returns what the tests compare."""
+_private: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def private_copy(model):
+    """This process's own copy of `model`, one per model object (jobs that share a model share its copy).
+    A model handed to a spawn arrives in shared memory (torch.multiprocessing), one storage for all ranks:
+    a rank must not parallelize it directly, since replicated parameters keep the model's storage."""
+    if model not in _private:
+        _private[model] = copy.deepcopy(model)
+    return _private[model]
+
+
+@contextlib.contextmanager
+def weights_restored(model):
+    """Puts `model`'s parameters and buffers back as they were on exit: replicated parameters of a
+    parallelized module share storage with the model, so its training moves them."""
+    saved = [(t, t.detach().clone()) for t in itertools.chain(model.parameters(), model.buffers())]
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            for t, value in saved:
+                t.copy_(value)
+
+
+def train_parallel(rank, world, model, batches, steps, kw, *, copy_model: bool = True):
+    """autoparallelize + AdamW for `steps` steps; returns what the tests compare. `copy_model=False`
+    parallelizes `model` itself (its weights may move: see `weights_restored`)."""
     from autopar.runtime import autoparallelize
     args, kwargs = batches[0]
     example = tuple(args) + ((kwargs,) if kwargs else ())
     # the IR checks run no collective and every rank's local shapes are the same: rank 0 checks for all
-    pmodel = autoparallelize(copy.deepcopy(model), example, verify=rank == 0, baselines=False, **kw)
+    pmodel = autoparallelize(copy.deepcopy(model) if copy_model else model, example, verify=rank == 0,
+                             baselines=False, **kw)
     losses, opt = train_steps(pmodel, batches, steps)
     memory = {"params": sum(_local_bytes(p) for p in pmodel.parameters()),   # sizes are fixed after step 0
               "buffers": sum(_local_bytes(b) for b in pmodel.buffers()),
               "optimizer": sum(_local_bytes(v) for s in opt.state.values() for k, v in s.items() if k != "step")}
     from autopar.passes import emitted_collectives
     emitted = Counter((c["kind"], c["phase"]) for c in emitted_collectives(pmodel.gm))
-    return {"losses": losses, "state": pmodel.full_state_dict(), "plan": pmodel.plan.to_json(),
+    state = {k: v.clone() for k, v in pmodel.full_state_dict().items()}  # replicated ones are the model's tensors
+    return {"losses": losses, "state": state, "plan": pmodel.plan.to_json(),
             "emitted": dict(emitted), "memory": memory}
 
 
 def train_many(rank, world, model, batches, steps, kws):
-    return [train_parallel(rank, world, model, batches, steps, kw) for kw in kws]
+    """train_parallel under each of `kws`, all on one private copy of `model` (its weights restored after
+    each run): autopar's capture cache then traces it once per rank, not once per run."""
+    model, out = private_copy(model), []
+    for kw in kws:
+        with weights_restored(model):
+            out.append(train_parallel(rank, world, model, batches, steps, kw, copy_model=False))
+    return out
 
 
 def run_each(rank, world, jobs):

@@ -8,12 +8,16 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
+from autopar.placement import is_strided, pieces
 from autopar.rules.localize import localize_args
 
 
 def split(x: torch.Tensor, p, n: int, gen: torch.Generator) -> list[torch.Tensor]:
     if isinstance(p, Replicate):
         return [x.clone() for _ in range(n)]
+    if is_strided(p):  # k pieces, each chunked over the ranks: rank r holds [piece0_r; piece1_r; ...]
+        chunks = [piece.chunk(n, dim=p.dim) for piece in x.chunk(pieces(p), dim=p.dim)]
+        return [torch.cat([c[r] for c in chunks], dim=p.dim) for r in range(n)]
     if isinstance(p, Shard):
         return [c.clone() for c in torch.chunk(x, n, dim=p.dim)]
     x = x.detach()
@@ -34,6 +38,9 @@ def split(x: torch.Tensor, p, n: int, gen: torch.Generator) -> list[torch.Tensor
 def join(locals_: list, p):
     if isinstance(p, Replicate):
         return locals_[0]
+    if is_strided(p):
+        chunks = [t.chunk(pieces(p), dim=p.dim) for t in locals_]  # per rank: its block of each piece
+        return torch.cat([chunks[r][j] for j in range(pieces(p)) for r in range(len(locals_))], dim=p.dim)
     if isinstance(p, Shard):
         return torch.cat(locals_, dim=p.dim)
     if p.reduce_op == "sum":

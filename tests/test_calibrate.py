@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from autopar.calibrate import (Sample, build_profile, calibrate, fit_alpha_beta, fit_line, fit_links, parse_size,
-                               size_range)
+from autopar.calibrate import build_profile, calibrate, parse_size, size_range
+from autopar.calibrate_fit import Sample, fit_alpha_beta, fit_line, fit_links
 from autopar.cli import main
 from autopar.costmodel import comm
 from autopar.costmodel.hardware import CPU, H100, HardwareSpec, LinkSpec, get_hardware
@@ -89,6 +89,16 @@ def test_profile_from_samples_round_trips_and_mesh_accepts_it(tmp_path):
                                devices_per_node=None)
     assert unmeasured.compute_efficiency == 1.0
     assert unmeasured.param_step_overhead == CPU.param_step_overhead   # the base's when not measured
+    assert unmeasured.attention_backward_efficiency == CPU.attention_backward_efficiency
+
+
+def test_attention_efficiencies_are_attention_flops_over_matmul_flops(tmp_path):
+    spec = build_profile(CPU, [], matmul_flops=40e9, mem_bandwidth=2e10, op_overhead=8e-6, devices_per_node=None,
+                         attention_flops=30e9, attention_backward_flops=18e9)
+    assert spec.attention_efficiency == pytest.approx(0.75)
+    assert spec.attention_backward_efficiency == pytest.approx(0.45)
+    spec.save(tmp_path / "p.json")
+    assert get_hardware(tmp_path / "p.json") == spec
 
 
 @pytest.mark.parametrize("text, message", [
@@ -137,4 +147,6 @@ def test_real_calibration_two_ranks(tmp_path):
     assert all(link.latency >= 0 and link.bandwidth > 0 for link in spec.collectives["intra"].values())
     assert 0 < spec.compute_efficiency <= 1 and spec.op_overhead > 0 and spec.param_step_overhead > 0
     assert spec.transcendental_rate > 0
+    assert spec.attention_efficiency > 0 and spec.attention_backward_efficiency > 0
+    assert spec.attention_backward_efficiency != CPU.attention_backward_efficiency   # measured, not the preset's
     assert Mesh(2, hardware=out).collective_time("all_reduce", 1e6, 0) > 0

@@ -323,3 +323,38 @@ def test_planner_prices_gelu_by_its_elements():
     expected = elements / 1e6 - nbytes / fast.mem_bandwidth
     assert plans[1].predicted_step_time - plans[0].predicted_step_time == pytest.approx(expected, rel=1e-6)
 
+
+
+# --- attention efficiency and layout copies --------------------------------------------------------
+
+def test_attention_kernels_run_at_their_calibrated_efficiency():
+    """F = 1 GFLOP at η·P = 0.8 × 50 GFLOP/s takes 25 ms as a matmul; an attention forward at
+    efficiency 0.75 takes 25/0.75 ms, its backward at 0.5 takes 50 ms; other ops keep 1."""
+    cpu = dataclasses.replace(hardware.CPU, op_overhead=0.0, attention_efficiency=0.75,
+                              attention_backward_efficiency=0.5)
+    fwd = aten._scaled_dot_product_flash_attention_for_cpu.default
+    bwd = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    assert compute.flop_efficiency(fwd, cpu) == 0.75 and compute.flop_efficiency(bwd, cpu) == 0.5
+    assert compute.flop_efficiency(aten._scaled_dot_product_efficient_attention_backward.default, cpu) == 0.5
+    assert compute.flop_efficiency(aten.mm.default, cpu) == 1.0
+    assert compute.op_time(1e9, 0, cpu, "float32") == pytest.approx(25e-3)
+    assert compute.op_time(1e9, 0, cpu, "float32", efficiency=0.75) == pytest.approx(25e-3 / 0.75)
+    assert compute.op_time(1e9, 0, cpu, "float32", efficiency=0.5) == pytest.approx(50e-3)
+    assert "0.4·0.05 TFLOP/s" in compute.explain_compute(1e9, 0, cpu, efficiency=0.5)
+
+
+def test_attention_efficiencies_round_trip_and_are_validated():
+    hw = dataclasses.replace(hardware.CPU, name="cpu-calibrated", attention_efficiency=0.7,
+                             attention_backward_efficiency=0.45)
+    assert HardwareSpec.from_json(json.dumps(hw.to_json())) == hw
+    old = hardware.CPU.to_json()   # a profile written before the fields existed prices attention as a matmul
+    old.pop("attention_efficiency"), old.pop("attention_backward_efficiency")
+    loaded = HardwareSpec.from_json(old)
+    assert loaded.attention_efficiency == loaded.attention_backward_efficiency == 1.0
+    default = dataclasses.replace(hardware.H100, attention_efficiency=1.0)
+    assert "attention_efficiency" not in default.to_json()   # the default (1) stays out of the JSON
+    assert hardware.H100.to_json()["attention_backward_efficiency"] == 0.59
+    for name, bad in (("attention_efficiency", 0.0), ("attention_backward_efficiency", -0.5),
+                      ("attention_backward_efficiency", "half")):
+        with pytest.raises(HardwareError, match=name):
+            HardwareSpec.from_json({**hw.to_json(), name: bad})

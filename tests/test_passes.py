@@ -17,7 +17,7 @@ from autopar.ir import verify
 from autopar.passes import PIPELINE, PassContext, emitted_collectives, run_passes
 from autopar.passes.lower_collectives import lower_collectives_pass
 from autopar.passes.ops import redistribute
-from autopar.placement import P, PAVG, R, S, local_shape, spec_str
+from autopar.placement import SS, P, PAVG, R, S, local_shape, spec_str
 from dist_utils import run_distributed
 
 
@@ -171,8 +171,9 @@ def test_lowering_numerics_1d():
 
 
 def test_lowering_numerics_3d_middle_dims():
-    """Gathers and reduce-scatters along a middle or last dim (one permute-copy each way)."""
-    placements = [R, S(0), S(1), S(2), P]
+    """Gathers and reduce-scatters along a middle or last dim (one permute-copy each way), and to and
+    from strided shards (k pieces of a dim, each split over the ranks: a fused qkv column split)."""
+    placements = [R, S(0), S(1), S(2), P, SS(1, 3), SS(2, 2)]
     cases = [((a,), (b,)) for a, b in itertools.product(placements, placements) if a != b]
     bad = run_distributed(_lowering_worker, 2, (2, 6, 4), cases, timeout=300)
     assert bad == [[], []]

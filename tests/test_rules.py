@@ -18,7 +18,7 @@ from simulate import run_local
 from autopar.capture import capture
 from autopar.mesh import Mesh
 from autopar.params import param_memory, param_strategies
-from autopar.placement import P, R, S
+from autopar.placement import SS, P, R, S, divides, from_str, is_strided, local_shape, to_str
 from autopar.reshard import ReshardCost, Step, steps
 from autopar.rules import OpCall
 from autopar.strategies import StrategyEnumerator, is_getitem, val_of
@@ -164,3 +164,78 @@ def test_frozen_parameters_hold_no_grads_or_state():
     assert {m for st in s for m in st.modes} == {"dp", "shard"}
     mem = param_memory(s[0], 256.0, 64, (2,), 8.0, False)
     assert mem == {"params": 256.0, "gathered_params": 0.0, "grads": 0.0, "optimizer": 0.0}
+
+
+# ---------------------------------------------------------------- strided shards (rules/strided.py)
+
+def _fused_qkv_graph() -> tuple[fx.GraphModule, dict]:
+    """y = x @ w.T split in 3 equal pieces (a fused q;k;v), and the backward's cat of 3 pieces."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w, b, a0, a1, a2, g):
+        q, k, v = (torch.mm(x, w.t()) + b).split(4, dim=1)
+        return q * 2, k, v, torch.cat([a0, a1, a2], dim=1), torch.mm(g, w)  # g @ w: the input gradient
+
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randn(s, generator=gen) for s in ((6, 5), (12, 5), (12,), (6, 4), (6, 4), (6, 4), (6, 12))]
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    rec = _Recorder(gm)
+    rec.run(*args)
+    return gm, rec.values
+
+
+def test_split_factors_come_from_equal_splits_and_cats():
+    from autopar.rules.strided import split_factors
+    gm, _ = _fused_qkv_graph()
+    assert split_factors(gm.graph) == {(12, 3)}
+    gpt, _ = _real_values(models.TINY_CASES["gpt"]())  # the hand-written GPT's fused c_attn
+    llama, _ = _real_values(models.TINY_CASES["llama"]())  # separate q, k, v projections
+    assert any(k == 3 for _, k in split_factors(gpt.graph))
+    assert all(k != 3 for _, k in split_factors(llama.graph))
+
+
+def test_strided_rules_and_their_numerics():
+    """A weight strided on its output dim gives an output strided on its last dim; the split of it
+    gives Shard pieces; the cat of Shard pieces gives a strided shard; each checked on 2 virtual ranks."""
+    gm, values = _fused_qkv_graph()
+    enum = StrategyEnumerator((N,))
+    gen = torch.Generator().manual_seed(0)
+    by_target, checked = {}, 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or is_getitem(node):
+            continue
+        strats = fitting_strategies(enum, OpCall(node, val_of))
+        by_target.setdefault(node.target, []).extend(strats)
+        for strat in strats:
+            if any(is_strided(p) for p in (*strat.outs, *strat.ins) if p is not None):
+                checked += 1
+                assert _close(run_local(node, strat, values, N, gen), values[node]), (node.name, strat)
+    aten = torch.ops.aten
+    mm = {(s.outs, s.ins) for s in by_target[aten.mm.default]}
+    assert ((SS(1, 3),), (R, SS(1, 3))) in mm  # column split, strided
+    assert ((P,), (SS(1, 3), SS(0, 3))) in mm  # contraction split, both strided alike
+    split = [s for s in by_target[aten.split.Tensor] if any(is_strided(p) for p in s.ins)]
+    assert [(s.outs, s.ins) for s in split] == [((S(1),) * 3, (SS(1, 3),))]
+    cat = [s for s in by_target[aten.cat.default] if any(is_strided(p) for p in s.outs)]
+    assert [(s.outs, s.ins) for s in cat] == [((SS(1, 3),), (S(1),) * 3)]
+    assert checked >= 8
+
+
+def test_strided_placement_text_and_divisibility():
+    p = SS(0, 3)
+    assert to_str(p) == "S0k3" and from_str("S0k3") == p and p != S(0)
+    assert divides((p,), (12, 5), (2,)) and not divides((p,), (12, 5), (3,))  # needs k * n pieces
+    assert not divides((p, S(0)), (24, 5), (2, 2))  # a strided dim split again on another axis
+    assert local_shape((p,), (12, 5), (2,)) == (6, 5)
+    shard = [s for s in param_strategies((12, 5), (2,), True, frozenset({(12, 3)})) if s.master == (p,)]
+    assert len(shard) == 1 and shard[0].modes == ("shard",)
+    assert all(not is_strided(s.master[0]) for s in param_strategies((12, 5), (2,), True))
+
+
+def test_strided_resharding_is_priced_as_gather_or_reduce_scatter():
+    sizes, p = (2,), SS(1, 3)
+    assert steps((p,), (R,), 1200.0, sizes) == [Step("all_gather", 0, 1200.0)]
+    assert steps((P,), (p,), 1200.0, sizes) == [Step("reduce_scatter", 0, 1200.0)]
+    assert steps((R,), (p,), 1200.0, sizes) == []  # a local slice of each piece
+    assert steps((S(1),), (p,), 1200.0, sizes) == [Step("all_gather", 0, 1200.0)]  # through Replicate
+    assert steps((p,), (S(0),), 1200.0, sizes) == [Step("all_gather", 0, 1200.0)]

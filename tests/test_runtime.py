@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import autopar
-from dist_cases import assert_matches, train_many, train_reference
+from autopar.placement import is_strided
+from dist_cases import assert_matches, run_each, train_many, train_reference
 from dist_utils import run_distributed
 import models
 
@@ -41,14 +42,26 @@ def _kws(world):
     return kws
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda world: f"world{world}")
+def runs(request):
+    """Every model's runs at one world in one spawn (dist_cases.run_each): starting `world` ranks costs each
+    of them seconds of imports. (world, {model name: (case, batches, every rank's result)})."""
+    world = request.param
+    cases = {name: make() for name, make in MODELS.items()}
+    batches = {name: _batches(case) for name, case in cases.items()}
+    jobs = [(train_many, cases[name].model, batches[name], STEPS, _kws(world)) for name in MODELS]
+    results = run_distributed(run_each, world, jobs, timeout=1800)
+    return world, {name: (cases[name], batches[name], [r[j] for r in results]) for j, name in enumerate(MODELS)}
+
+
 @pytest.mark.parametrize("name", list(MODELS))
-def test_matches_single_process(name, world):
-    case = MODELS[name]()
-    batches = _batches(case)
+def test_matches_single_process(runs, name):
+    world, by_name = runs
+    case, batches, results = by_name[name]
+    errors = [f"rank {rank}: {e}" for rank, e in enumerate(results) if isinstance(e, str)]
+    assert not errors, "\n".join(errors)
     ref_losses, ref_state = train_reference(case.model, batches, STEPS)
     kws = _kws(world)
-    results = run_distributed(train_many, world, case.model, batches, STEPS, kws, timeout=900)
     assert_matches(results, ref_losses, ref_state, [f"{name} world={world} {kw}" for kw in kws])  # + collectives
     for i, kw in enumerate(kws):
         label = f"{name} world={world} {kw}"
@@ -57,6 +70,8 @@ def test_matches_single_process(name, world):
         mem = results[0][i]["memory"]
         assert mem["params"] + mem["buffers"] == pytest.approx(plan.memory_breakdown["params"]), label
         assert mem["optimizer"] == pytest.approx(plan.memory_breakdown["optimizer"]), label
+        if kw == {"strategy": "tp"} and world == 2 and name in ("gpt", "gpt2"):  # fused q;k;v: whole heads (#3)
+            assert is_strided(plan.placement("transformer.h.0.attn.c_attn.weight")[0]), label
 
 
 def test_meta_model_materialises_only_local_shards():

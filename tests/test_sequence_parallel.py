@@ -310,7 +310,7 @@ def _sequence_parallel_plan(model, batches, mesh):
         warnings.simplefilter("ignore")
         free = autopar.plan(model, batches[0][0], mesh=mesh, strategy="tp", baselines=False)
         plan = autopar.plan(model, batches[0][0], mesh=mesh, strategy="tp", baselines=False,
-                            memory_budget=0.92 * free.memory_per_device)
+                            memory_budget=0.95 * free.memory_per_device)  # tighter: recompute wins
     norms = {c.module: c.outs[0] for n, c in plan.nodes.items() if n.startswith("native_layer_norm")
              and c.phase == "forward"}
     assert len(norms) == 5 and all(spec == ("S1",) for spec in norms.values()), norms

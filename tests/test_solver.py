@@ -252,6 +252,27 @@ def test_cache_does_not_change_results(budget):
     assert "quotient" in cache
 
 
+def test_cache_across_memory_rows_matches_fresh_solves():
+    """The pipeline search re-solves one graph under tighter memory rows with one cache: the time
+    optimum and least memory recalled from the first row give every row a fresh solve's result, and
+    an infeasible row reports the full graph's least memory without solving the full graph."""
+    cg, cache = layered_graph(6, seed=4), {}
+    for budget in (None, 2.2 * GB, 1.9 * GB, 0.5 * GB, 2.2 * GB):
+        cg.memory_budget = budget
+        fresh = layered_graph(6, seed=4, budget=budget)
+        try:
+            ref = solve(fresh, dedup_layers=True)
+        except InfeasiblePlanError as e:
+            with pytest.raises(InfeasiblePlanError) as info:
+                solve(cg, dedup_layers=True, cache=cache)
+            assert info.value.min_memory_per_device == e.min_memory_per_device == pytest.approx(min_memory(fresh))
+            continue
+        got = solve(cg, dedup_layers=True, cache=cache)
+        assert got.choice.tobytes() == ref.choice.tobytes() and (got.time, got.memory) == (ref.time, ref.memory)
+    memo = cache["quotient_solves"][("relaxations", (), 0.0)]
+    assert set(memo) == {"time", "least"}
+
+
 def test_elimination_order_is_shared_and_refuses_large_tables():
     """One order (graph shape only) serves any costs on that graph; too large a table gives None first."""
     from autopar.dp_oracle import elimination_order, problem_order

@@ -14,7 +14,7 @@ import torch
 
 import autopar
 import models
-from dist_cases import assert_matches, run_each, train_many, train_reference
+from dist_cases import assert_matches, run_each, train_many, train_reference, private_copy, weights_restored
 from dist_utils import run_distributed
 
 STEPS = 3
@@ -36,13 +36,15 @@ GROUPS = {"decoders": FAMILIES[:7], "rest": FAMILIES[7:12] + ["t5"], "moe": FAMI
 
 
 def _first_gradients(rank, world, model, batch, kw):
-    """One autoparallelized step: the loss and every parameter's whole gradient."""
-    import copy
+    """One autoparallelized step: the loss and every parameter's whole gradient. The jobs of one model
+    share the object (one pickle) and so its private copy: the capture cache traces it once per rank."""
     from autopar.runtime import autoparallelize
     args, kwargs = batch
-    pmodel = autoparallelize(copy.deepcopy(model), tuple(args) + ((kwargs,) if kwargs else ()), verify=rank == 0,
-                             baselines=False, **kw)
-    loss = pmodel.train_step(*args, **kwargs).item()
+    model = private_copy(model)
+    with weights_restored(model):
+        pmodel = autoparallelize(model, tuple(args) + ((kwargs,) if kwargs else ()), verify=rank == 0,
+                                 baselines=False, **kw)
+        loss = pmodel.train_step(*args, **kwargs).item()
     return loss, {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
                   for n, p in pmodel.named_parameters()}
 

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from autopar.placement import R
+from autopar.rules.strided import node_factors
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ class OpCall:
         self.outs = tuple(
             TInfo(-1, tuple(int(s) for s in o.shape), o.dtype) if isinstance(o, torch.Tensor) else None for o in outs
         )
+        # the k's of strided shards (autopar/rules/strided.py) this node may take; usually ()
+        self.strided = node_factors(node, [getattr(v, "shape", None) for v in map(val_of, self.inputs)]
+                                    + [o.shape for o in self.outs if o is not None])
 
     @property
     def out(self) -> TInfo:
@@ -141,3 +145,4 @@ def normalize_dim(d: int, ndim: int) -> int:
 
 # Importing the families registers their rules.
 from autopar.rules import pointwise, matmul, shape, reduction, nn, creation, conv, misc, moe  # noqa: E402,F401
+from autopar.rules.strided import stridable  # noqa: E402,F401

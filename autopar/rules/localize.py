@@ -2,7 +2,8 @@
 
 Shape-carrying ops (view, expand, full, new_zeros, ...) bake the global shape into their arguments;
 running them on shards needs the local shape. A slice whose end covers a sharded dimension keeps
-covering it. Every other op's arguments are shape-free and stay as they are.
+covering it. A split of a strided dim (autopar/rules/strided.py) splits the local shard into the same
+number of pieces. Every other op's arguments are shape-free and stay as they are.
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ SIZE_ARG = {aten.view: 1, aten.view_copy: 1, aten._unsafe_view: 1, aten.reshape:
             aten.new_zeros: 1, aten.new_ones: 1, aten.new_empty: 1, aten.new_full: 1, aten.empty_permuted: 0,
             aten.empty_strided: 0}
 
+# splits whose size argument (position 1) counts elements of the split dim (chunk counts pieces: as is)
+SPLIT_ARG = {aten.split, aten.split_copy, aten.split_with_sizes, aten.split_with_sizes_copy}
+
 
 def localize_args(target, args: tuple, out_shape, out_spec, in_shape, in_spec, axis_sizes) -> tuple:
     """Return `args` with global sizes replaced by local ones; `out_spec`/`in_spec` may be None."""
@@ -32,6 +36,17 @@ def localize_args(target, args: tuple, out_shape, out_spec, in_shape, in_spec, a
         if packet is aten.empty_strided:
             args[1] = list(torch.empty(local, device="meta").stride())
         return tuple(args)
+    if packet in SPLIT_ARG and in_spec is not None:  # a split of a strided dim: local piece sizes
+        dim = args[2] if len(args) > 2 else 0
+        dim = dim + len(in_shape) if dim < 0 else dim
+        loc = local_shape(in_spec, in_shape, axis_sizes)[dim]
+        if loc != in_shape[dim]:
+            sizes = args[1]
+            args = list(args)
+            args[1] = [v * loc // in_shape[dim] for v in sizes] if isinstance(sizes, (list, tuple)) \
+                else sizes * loc // in_shape[dim]
+            return tuple(args)
+        return args
     if packet in (aten.slice, aten.slice_copy) and in_spec is not None:
         dim = args[1] if len(args) > 1 else 0
         dim = dim + len(in_shape) if dim < 0 else dim

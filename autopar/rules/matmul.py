@@ -10,6 +10,7 @@ import torch
 
 from autopar.placement import PAVG, R, P, S
 from autopar.rules import OpCall, register
+from autopar.rules.strided import stridable
 
 aten = torch.ops.aten
 
@@ -32,16 +33,19 @@ def _mm_like(call: OpCall, a, b, batch: bool) -> list:
 
 
 @register(aten.mm)
+@stridable
 def mm_rule(call: OpCall) -> list:
     return _mm_like(call, call.args[0], call.args[1], batch=False)
 
 
 @register(aten.bmm)
+@stridable
 def bmm_rule(call: OpCall) -> list:
     return _mm_like(call, call.args[0], call.args[1], batch=True)
 
 
 @register(aten.addmm)
+@stridable
 def addmm_rule(call: OpCall) -> list:
     """addmm(bias, A, B) = bias + A @ B: row and column splits (the bias follows the output)."""
     bias, a, b = call.args[0], call.args[1], call.args[2]

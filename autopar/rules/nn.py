@@ -56,24 +56,46 @@ def _attn_shards(call: OpCall, main, extra_outs: int) -> list:
         for t in call.tensor_args():
             if t.idx not in ins:  # attn_mask: shard where it is not broadcast
                 ins[t.idx] = S(d) if t.ndim == 4 and t.shape[d] == q.shape[d] else R
-        outs = tuple(S(d) if o is not None and o.ndim > d else None for o in call.outs[:1 + extra_outs])
-        outs += (None,) * (len(call.outs) - len(outs))
-        strats.append(call.strat(outs, ins))
+        strats.append(call.strat(tuple(_attn_out(o, j <= extra_outs, d, q.shape[d]) for j, o in enumerate(call.outs)),
+                                 ins))
     return strats
 
 
+def _attn_out(o, main: bool, d: int, n: int):
+    """An attention output's placement under a split of dim d (size n): the main outputs (out, logsumexp,
+    the input gradients) split with it; the CUDA kernels' other tensors are a bias gradient (split where
+    the bias is, else a partial sum over the split) or small RNG state (philox seed and offset: replicated)."""
+    if o is None:
+        return None
+    if main:
+        return S(d) if o.ndim > d else R
+    if o.ndim == 4:
+        return S(d) if o.shape[d] == n else P
+    return R
+
+
 @register(aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention,
-          aten._scaled_dot_product_efficient_attention)
+          aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_cudnn_attention)
 def sdpa_rule(call: OpCall) -> list:
+    """CPU flash, and the CUDA flash, memory-efficient and cuDNN kernels: (q, k, v[, bias]) -> (out, lse, ...)."""
     q, k, v = call.args[:3]
     return _attn_shards(call, [q, k, v], extra_outs=1)
 
 
-@register(aten._scaled_dot_product_flash_attention_for_cpu_backward,
-          aten._scaled_dot_product_flash_attention_backward, aten._scaled_dot_product_efficient_attention_backward)
+@register(aten._scaled_dot_product_flash_attention_for_cpu_backward, aten._scaled_dot_product_flash_attention_backward,
+          aten._scaled_dot_product_cudnn_attention_backward)
 def sdpa_backward_rule(call: OpCall) -> list:
+    """(grad_out, q, k, v, out, logsumexp, ...) -> (grad_q, grad_k, grad_v)."""
     g, q, k, v, out, lse = call.args[:6]
     return _attn_shards(call, [g, q, k, v, out, lse], extra_outs=2)
+
+
+@register(aten._scaled_dot_product_efficient_attention_backward)
+def sdpa_efficient_backward_rule(call: OpCall) -> list:
+    """CUDA memory-efficient attention: (grad_out, q, k, v, attn_bias?, out, logsumexp, ...); its logsumexp is
+    padded along the sequence (a multiple of 32), which a batch or head split leaves alone."""
+    a = call.args
+    return _attn_shards(call, [a[0], a[1], a[2], a[3], a[5], a[6]], extra_outs=2)
 
 
 @register(aten.embedding)

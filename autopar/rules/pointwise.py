@@ -9,6 +9,7 @@ import torch
 
 from autopar.placement import PAVG, R, P, S
 from autopar.rules import OpCall, register
+from autopar.rules.strided import stridable
 
 aten = torch.ops.aten
 
@@ -64,6 +65,7 @@ def _scalar_zero_other(call: OpCall) -> bool:
 
 @register(aten.alias, aten._to_copy, aten.clone, aten.detach, aten.lift_fresh_copy, aten.copy,
           aten.alias_copy, aten.detach_copy)
+@stridable
 def pointwise_rule(call: OpCall) -> list:
     if call.out is None or call.multi:
         return []
@@ -71,6 +73,7 @@ def pointwise_rule(call: OpCall) -> list:
 
 
 @register(aten.where.self)
+@stridable
 def where_rule(call: OpCall) -> list:
     """where(c, a, b) is linear in (a, b) jointly when both are partial (or literal zero) and c replicated."""
     strats = _shard_strats(call)

@@ -6,6 +6,7 @@ import torch
 from autopar.placement import PAVG, P, S
 from torch.distributed.tensor import Partial
 from autopar.rules import OpCall, normalize_dim, register
+from autopar.rules.strided import stridable
 
 aten = torch.ops.aten
 
@@ -24,6 +25,7 @@ def _reduced_dims(call: OpCall) -> tuple[list[int], bool]:
 
 
 @register(aten.sum, aten.mean, aten.amax, aten.amin, aten.any, aten.all, aten.prod, aten.argmax, aten.argmin)
+@stridable
 def reduction_rule(call: OpCall) -> list:
     x = call.args[0]
     if not hasattr(x, "idx"):

@@ -10,8 +10,9 @@ import math
 
 import torch
 
-from autopar.placement import PAVG, R, P, S
+from autopar.placement import PAVG, SS, R, P, S
 from autopar.rules import OpCall, normalize_dim, register
+from autopar.rules.strided import equal_cat, equal_split, stridable
 
 aten = torch.ops.aten
 
@@ -39,6 +40,7 @@ def view_dim_map(src: tuple[int, ...], dst: tuple[int, ...]) -> dict[int, int]:
 
 @register(aten.view, aten.view_copy, aten._unsafe_view, aten.reshape, aten.unsqueeze, aten.squeeze,
           aten.unsqueeze_copy, aten.squeeze_copy, aten.flatten, aten.unflatten)
+@stridable
 def view_rule(call: OpCall) -> list:
     x = call.args[0]
     strats = [call.strat(S(j), {x.idx: S(i)}) for i, j in view_dim_map(x.shape, call.out.shape).items()]
@@ -46,6 +48,7 @@ def view_rule(call: OpCall) -> list:
 
 
 @register(aten.permute, aten.permute_copy)
+@stridable
 def permute_rule(call: OpCall) -> list:
     x, dims = call.args[0], [normalize_dim(d, call.args[0].ndim) for d in call.args[1]]
     strats = [call.strat(S(k), {x.idx: S(d)}) for k, d in enumerate(dims) if x.shape[d] > 1]
@@ -53,6 +56,7 @@ def permute_rule(call: OpCall) -> list:
 
 
 @register(aten.transpose, aten.transpose_copy, aten.t, aten.t_copy)
+@stridable
 def transpose_rule(call: OpCall) -> list:
     x = call.args[0]
     if x.ndim < 2:
@@ -65,6 +69,7 @@ def transpose_rule(call: OpCall) -> list:
 
 
 @register(aten.expand, aten.expand_copy)
+@stridable
 def expand_rule(call: OpCall) -> list:
     x, out = call.args[0], call.out
     off = out.ndim - x.ndim
@@ -107,7 +112,11 @@ def cat_rule(call: OpCall) -> list:
     if len(tensors) != len(call.args[0]):
         return []
     dim = normalize_dim(call.args[1] if len(call.args) > 1 else 0, call.out.ndim)
-    return _other_dims(call, tensors, dim) + _partials(call, tensors)
+    strats = _other_dims(call, tensors, dim) + _partials(call, tensors)
+    hit = equal_cat(call.node)
+    if hit is not None and hit[2] in call.strided:  # k equal Shard(d) pieces -> SS(d, k)
+        strats.append(call.strat(SS(dim, hit[2]), {t.idx: S(dim) for t in tensors}))
+    return strats
 
 
 @register(aten.split, aten.split_with_sizes, aten.split_copy, aten.split_with_sizes_copy, aten.unbind,
@@ -122,6 +131,9 @@ def split_rule(call: OpCall) -> list:
             continue
         od = d if call.out.ndim == x.ndim else (d if d < dim else d - 1)
         strats.append(call.strat((S(od),) * len(call.outs), {x.idx: S(d)}))
+    hit = equal_split(call.node)
+    if hit is not None and hit[2] in call.strided:  # SS(d, k) into its k pieces: each S(d)
+        strats.append(call.strat((S(dim),) * len(call.outs), {x.idx: SS(dim, hit[2])}))
     return strats + _partials(call, [x])
 
 
