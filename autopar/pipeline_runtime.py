@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from autopar import checkpoint
 from autopar import pipeline_plan as pp
 from autopar.canonicalize import canonicalize
 from autopar.capture import capture
@@ -173,6 +174,7 @@ class PipelinedModule(nn.Module):
                  stage_plan: Plan, device: str):
         super().__init__()
         self.plan = plan
+        checkpoint.register_hooks(self)  # strided shards leave state_dict() as plain shards (DCP-savable)
         object.__setattr__(self, "device_mesh", device_mesh)
         object.__setattr__(self, "sub_mesh", sub_dm)
         self._pp_rank, self._num_ranks = coords[0], plan.mesh.shape[0]

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import distribute_tensor
 
-from autopar import errors, precision
+from autopar import checkpoint, errors, precision
 from autopar.canonicalize import canonicalize
 from autopar.capture import capture
 from autopar.errors import DeviceError, InputError, MeshError
@@ -221,6 +221,7 @@ class ParallelModule(nn.Module):
                  init_fn=None):
         super().__init__()
         self.plan = plan
+        checkpoint.register_hooks(self)  # strided shards leave state_dict() as plain shards (DCP-savable)
         object.__setattr__(self, "gm", gm)  # the program: not a submodule (no state of its own)
         object.__setattr__(self, "device_mesh", device_mesh)
         self._param_names = list(captured.param_names)

@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout: `autopar` and `examples` importable
 
+from autopar import checkpoint  # noqa: E402
 from autopar.runtime import autoparallelize  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -107,8 +108,7 @@ def latest_checkpoint(ckpt_dir: str | None) -> Path | None:
 
 def _state(pmodel, opt) -> dict:
     """What a checkpoint holds: the model's DTensor state dict and the optimizer's (DTensor states)."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-    return {"model": pmodel.state_dict(), "optim": get_optimizer_state_dict(pmodel, opt)}
+    return {"model": pmodel.state_dict(), "optim": checkpoint.optimizer_state_dict(pmodel, opt)}
 
 
 def save_checkpoint(pmodel, opt, ckpt_dir: str, step: int) -> Path:
@@ -119,11 +119,10 @@ def save_checkpoint(pmodel, opt, ckpt_dir: str, step: int) -> Path:
 
 def load_checkpoint(pmodel, opt, path: Path) -> int:
     """Loads in place into the DTensor shards; returns the step the checkpoint was taken after."""
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
     state = {**_state(pmodel, opt), "step": torch.tensor(0)}
     dcp.load(state, checkpoint_id=str(path))
     pmodel.load_state_dict(state["model"])
-    set_optimizer_state_dict(pmodel, opt, state["optim"])
+    checkpoint.load_optimizer_state_dict(pmodel, opt, state["optim"])
     return int(state["step"])
 
 
