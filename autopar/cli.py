@@ -220,9 +220,12 @@ def _cmd_calibrate(args) -> int:
     from autopar.calibrate import calibrate, size_range
 
     if not dist.is_initialized():
-        if "RANK" not in os.environ:   # a plain process: a world of one (compute only, no links)
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "RANK" in os.environ:      # under torchrun
+            dist.init_process_group(backend)
+        else:  # a plain process: a world of one (compute only, no links), with no port and no
+            # environment left behind (a later torchrun-less process would read RANK/MASTER_PORT)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         result = calibrate(parse_mesh_shape(args.mesh) if args.mesh else None,
                            sizes=size_range(args.min_bytes, args.max_bytes), iters=args.iters,
@@ -234,13 +237,6 @@ def _cmd_calibrate(args) -> int:
     finally:
         dist.destroy_process_group()
     return 0
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _cmd_scaling(args) -> int:
