@@ -3,7 +3,10 @@
 Each pass is `name_pass(gm, ctx) -> gm` in its own file. `run_passes` applies them in order, times
 each, checks the IR invariants after each when `verify=True` (always in tests), writes the graph
 before/after each pass to $AUTOPAR_DUMP_DIR when set, and skips passes named in `ctx.disabled`
-(debugging only: a skipped pass leaves the program wrong). The invariants are in `autopar/ir.py`.
+(internal: some passes are needed for a correct program). A user switches off optimisation passes,
+for debugging or an A/B timing, with `AUTOPAR_DISABLE_PASSES=schedule_overlap,bucket_collectives`;
+only `OPTIONAL` passes may be named there, since the program is correct without them. The
+invariants are in `autopar/ir.py`.
 """
 from __future__ import annotations
 
@@ -35,6 +38,27 @@ PIPELINE = (
 )
 
 
+# Passes the program is correct without (they change memory or speed, not numbers); the only ones
+# AUTOPAR_DISABLE_PASSES may name.
+OPTIONAL = frozenset({"recompute", "bucket_collectives", "bucket_layer_gathers", "schedule_overlap"})
+
+
+def env_disabled() -> frozenset:
+    """Pass names in $AUTOPAR_DISABLE_PASSES (comma-separated), checked against `OPTIONAL`."""
+    from autopar.errors import InputError
+    names = frozenset(n.strip() for n in os.environ.get("AUTOPAR_DISABLE_PASSES", "").split(",") if n.strip())
+    known = {name for name, _ in PIPELINE}
+    unknown = sorted(names - known)
+    if unknown:
+        raise InputError(f"AUTOPAR_DISABLE_PASSES names unknown passes {unknown}; the passes are "
+                         f"{', '.join(n for n, _ in PIPELINE)}")
+    required = sorted(names - OPTIONAL)
+    if required:
+        raise InputError(f"AUTOPAR_DISABLE_PASSES names {required}, without which the program is wrong; "
+                         f"only these may be switched off: {', '.join(sorted(OPTIONAL))}")
+    return names
+
+
 def describe() -> str:
     return "\n".join(f"{i}. {name}" for i, (name, _) in enumerate(PIPELINE, start=1))
 
@@ -44,8 +68,10 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, *, verify: bool = False) ->
     from autopar.ir import verify as verify_ir
     dump = os.environ.get("AUTOPAR_DUMP_DIR")
     log(2, "passes:\n" + describe())
+    disabled = ctx.disabled | env_disabled()
     for i, (name, fn) in enumerate(PIPELINE, start=1):
-        if name in ctx.disabled:
+        if name in disabled:
+            log(1, f"pass {name}: switched off")
             continue
         if dump:
             _dump(dump, f"{i:02d}_{name}_before.py", gm)
@@ -77,6 +103,6 @@ def _dump(folder: str, fname: str, gm: fx.GraphModule) -> None:
     (path / fname).write_text(gm.code)
 
 
-__all__ = ["PIPELINE", "PassContext", "run_passes", "describe", "emitted_collectives", "apply_plan_pass", "insert_redistribute_pass",
+__all__ = ["PIPELINE", "OPTIONAL", "PassContext", "run_passes", "env_disabled", "describe", "emitted_collectives", "apply_plan_pass", "insert_redistribute_pass",
            "lower_collectives_pass", "bucket_collectives_pass", "bucket_layer_gathers_pass",
            "localize_shapes_pass", "recompute_pass", "schedule_overlap_pass"]

@@ -107,6 +107,25 @@ def test_run_passes_dumps_and_skips(tmp_path, monkeypatch):
     assert set(ctx.timings) == {name for _, name in ran}
 
 
+
+def test_env_switches_off_optional_passes_only(monkeypatch):
+    """AUTOPAR_DISABLE_PASSES skips the named optimisation passes; unknown or required names are refused."""
+    from autopar.errors import InputError
+    model, inputs = _mlp_case(batch=8, hidden=16)
+    plan = autopar.plan(model, inputs, mesh=autopar.Mesh((2,), hardware="a100"), strategy="dp")
+    c = _captured(model, inputs)
+    ctx = _ctx(plan, c)
+    monkeypatch.setenv("AUTOPAR_DISABLE_PASSES", " schedule_overlap,bucket_collectives ")
+    gm = run_passes(c.gm, ctx, verify=True)
+    assert set(ctx.timings) == {name for name, _ in PIPELINE} - {"schedule_overlap", "bucket_collectives"}
+    targets = Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    assert not any("fused" in t or "start_" in t for t in targets), targets  # nothing bucketed or started early
+    assert sorted(c["kind"] for c in emitted_collectives(gm)) == sorted(c.kind for c in plan.collectives)
+    for bad, says in (("lower_colectives", "unknown passes"), ("localize_shapes", "program is wrong")):
+        monkeypatch.setenv("AUTOPAR_DISABLE_PASSES", bad)
+        with pytest.raises(InputError, match=says):
+            run_passes(_captured(model, inputs).gm, _ctx(plan, c))
+
 # ------------------------------------------------------------------ lowering numerics on gloo ranks
 
 def _redistribute_graph(src, dst, shape) -> fx.GraphModule:
