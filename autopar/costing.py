@@ -5,7 +5,8 @@ producer and are folded into edges). For strategy s of node v:
     time[v, s]   = roofline(local FLOPs, local bytes)  + node-local collectives
                    (zero1/2 parameter all-gather, the loss all-reduce to Replicate); for a
                    trainable parameter, its optimizer step: state bytes / bandwidth + the
-                   hardware's per-tensor `param_step_overhead`
+                   hardware's per-tensor `param_step_overhead`; for a view op (an alias), the
+                   hardware's `op_overhead` alone (a dispatched call, no bytes; the same for every s)
     memory[v, s] = parameter + gradient + optimizer bytes (parameters), or the local bytes of
                    outputs saved for backward (forward ops whose value a backward op reads)
 Edge (u, v): time[a, b] = reshard(u's output spec under a -> v's required input spec under b).
@@ -91,8 +92,8 @@ def split_factor(strat: NodeStrategy, axis_sizes) -> int:
 
 
 def _node_compute(node: fx.Node, strats: list[NodeStrategy], hw, axis_sizes) -> np.ndarray:
-    if packet(node) in FREE_OPS:
-        return np.zeros(len(strats))
+    if packet(node) in FREE_OPS:  # an alias moves no bytes, but the per-rank graph still dispatches it
+        return np.full(len(strats), compute.view_time(hw))
     args = fx.node.map_arg(node.args, val_of)
     kwargs = fx.node.map_arg(node.kwargs, val_of)
     out = val_of(node)

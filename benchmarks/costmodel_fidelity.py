@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 2 benchmarks/costmodel_fidelity.py                     # calibrate, then measure
     torchrun --nproc_per_node 2 benchmarks/costmodel_fidelity.py --profile p.json    # reuse a profile
     torchrun --nproc_per_node 2 benchmarks/costmodel_fidelity.py --hardware cpu      # the uncalibrated preset
+    torchrun --nproc_per_node 2 benchmarks/costmodel_fidelity.py --categories        # + ms per category of op
 
 The job first calibrates this machine (`autopar.calibrate.calibrate`, the same code as
 `autopar calibrate`) unless given a profile, then plans dp, zero3, tp, auto and a 2-stage 1F1B
@@ -107,6 +108,13 @@ def spmd_totals(model, example, plan, mesh) -> dict | None:
     node gets the strategy the plan names (planning again could break a near-tie differently).
     None when a choice is not among the node's candidates."""
     from autopar import assemble
+    found = spmd_choice(model, example, plan, mesh)
+    return None if found is None else assemble.totals(*found)
+
+
+def spmd_choice(model, example, plan, mesh):
+    """(Problem priced on `mesh`, the strategy index of every node that the SPMD `plan` names), or None."""
+    from autopar import assemble
     from autopar.canonicalize import canonicalize
     from autopar.capture import capture
     from autopar.costing import ProblemBuilder
@@ -130,7 +138,7 @@ def spmd_totals(model, example, plan, mesh) -> dict | None:
             break
         else:
             return None
-    return assemble.totals(prob, np.array(choice))
+    return prob, np.array(choice)
 
 
 def reprice(v: Variant, model, example, mesh) -> None:
@@ -188,6 +196,9 @@ def main(argv=None) -> None:
     p.add_argument("--plans", default=",".join(PLANS))
     p.add_argument("--calibrate", choices=("every-round", "once"), default="every-round",
                    help="calibrate again before each round (default) or only before the first")
+    p.add_argument("--categories", action="store_true",
+                   help="after the rounds, profile a few steps of each plan and print predicted against measured "
+                        "milliseconds per category (matmul, attention, collectives, copies, ...; step_categories.py)")
     args = p.parse_args(argv)
 
     dist.init_process_group("gloo")
@@ -233,7 +244,23 @@ def main(argv=None) -> None:
               f"median of {args.rounds * args.steps} steps; load average (1 min) "
               f"{min(load):.1f}-{max(load):.1f} over the run")
         print(report(variants), flush=True)
+    if args.categories:
+        print_categories(variants, model, batches, autopar.Mesh((world,), hardware=hw), rank, world)
     dist.destroy_process_group()
+
+
+def print_categories(variants, model, batches, mesh, rank: int, world: int) -> None:
+    """Per plan, `step_categories.table`: the cost model's seconds per category of op (SPMD plans)
+    beside each rank's profiled self CPU time, so a gap can be traced to what is mispriced."""
+    import step_categories
+    for v in variants:
+        mine, _, faulted = step_categories.measured(v.step, batches)
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, (mine, faulted))
+        if rank == 0:
+            found = spmd_choice(model, batches[0], v.plan, mesh) if len(v.plan.stages) <= 1 else None
+            pred = step_categories.predicted(*found) if found is not None else None
+            print(step_categories.table(v.name, pred, [m for m, _ in per_rank], [f for _, f in per_rank]), flush=True)
 
 
 if __name__ == "__main__":

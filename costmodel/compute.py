@@ -4,8 +4,10 @@ FLOPs come from `torch.utils.flop_counter.FlopCounterMode`: the op is re-run on 
 same shapes (no data, no device) and the result is cached by the call's signature, because a
 transformer repeats the same few shapes in every layer. Ops the counter does not know (elementwise,
 reductions, views) count 0 FLOPs: they are memory bound and priced by their bytes. Each priced op
-also pays the hardware's `op_overhead` (0 in the presets, measured by `autopar calibrate`); the
-planner never prices view ops, so they cost nothing.
+also pays the hardware's `op_overhead` (0 in the presets, measured by `autopar calibrate`). View ops
+(aliases: view, permute, expand, ...) move no bytes but are still dispatched calls in the per-rank
+graph, so they cost `op_overhead` alone (`view_time`): on a CPU each is a few microseconds of ATen
+dispatch, about an add's (5 µs against 6 µs through `torch.ops.aten`, one idle core).
 
 Exp-class pointwise ops (`TRANSCENDENTAL_OPS`: exp, gelu, softmax, tanh, ...) also have a third
 bound, E/T: E elements at the hardware's `transcendental_rate` T. On a CPU it binds (gelu is ~10x
@@ -90,6 +92,11 @@ def op_time(flops: float, nbytes: float, hw: HardwareSpec, dtype: torch.dtype | 
     compute = flops / (hw.flops(dtype_name(dtype)) * hw.compute_efficiency * efficiency)
     special = elements / hw.transcendental_rate if hw.transcendental_rate else 0.0
     return max(compute, nbytes / hw.mem_bandwidth, special) + hw.op_overhead
+
+
+def view_time(hw: HardwareSpec) -> float:
+    """Seconds of one view op (an alias: no kernel, no bytes): the dispatch overhead `op_overhead`."""
+    return hw.op_overhead
 
 
 def explain_compute(flops: float, nbytes: float, hw: HardwareSpec,

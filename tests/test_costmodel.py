@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 
+import numpy as np
 import pytest
 import sympy as sp
 import torch
@@ -323,6 +324,29 @@ def test_planner_prices_gelu_by_its_elements():
     expected = elements / 1e6 - nbytes / fast.mem_bandwidth
     assert plans[1].predicted_step_time - plans[0].predicted_step_time == pytest.approx(expected, rel=1e-6)
 
+
+def test_view_ops_pay_the_dispatch_overhead_alone():
+    """A view (alias) moves no bytes but is a dispatched call in the per-rank graph: every strategy of
+    a view node costs exactly op_overhead, and each op node (views included) adds one op_overhead to
+    the step; the presets' overhead is 0, so their view ops stay free."""
+    import autopar
+    from autopar.canonicalize import canonicalize, packet
+    from autopar.capture import capture
+    from autopar.costing import FREE_OPS, ProblemBuilder
+    model, args = _two_weight_mlp()
+    captured = capture(model, args, loss_fn=lambda out, x: out.square().mean())
+    canonicalize(captured.gm)
+    free = dataclasses.replace(hardware.CPU, name="cpu-no-overhead", op_overhead=0.0)
+    costly = dataclasses.replace(free, name="cpu-overhead", op_overhead=1e-3)
+    probs = [ProblemBuilder(captured, autopar.Mesh((2,), hardware=hw)).build() for hw in (free, costly)]
+    views = [i for i, n in enumerate(probs[0].nodes) if n.op == "call_function" and packet(n) in FREE_OPS]
+    ops = [i for i, n in enumerate(probs[0].nodes) if n.op == "call_function"]
+    assert views, "the MLP's joint graph has view ops (t, view)"
+    for i in views:
+        assert (probs[0].compute[i] == 0).all() and (probs[1].compute[i] == 1e-3).all()
+    for i in ops:
+        assert probs[1].compute[i] - probs[0].compute[i] == pytest.approx(np.full(len(probs[0].compute[i]), 1e-3))
+    assert compute.view_time(hardware.H100) == 0 and compute.view_time(costly) == 1e-3
 
 
 # --- attention efficiency and layout copies --------------------------------------------------------
