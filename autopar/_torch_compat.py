@@ -5,6 +5,7 @@ upgrade that moves an internal has one file to fix. Keep it small: thin wrappers
 """
 from __future__ import annotations
 
+import copy
 from typing import Callable, Mapping
 
 import torch
@@ -13,6 +14,9 @@ import torch.fx.traceback as fx_traceback
 from torch._decomp import core_aten_decompositions
 from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import compute_global_tensor_info
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.tools_common import stable_topological_sort
@@ -26,6 +30,9 @@ __all__ = [
     "core_decompositions",
     "StridedShard",
     "strided_shard",
+    "local_tensor",
+    "dtensor_spec",
+    "dtensor_grad",
 ]
 
 # DTensor's placement for a dim viewed as `split_factor` equal pieces, each sharded over the mesh axis
@@ -35,6 +42,28 @@ StridedShard = _StridedShard
 
 def strided_shard(dim: int, split_factor: int) -> _StridedShard:
     return _StridedShard(dim, split_factor=split_factor)
+
+
+def local_tensor(dt: DTensor) -> torch.Tensor:
+    """The local shard of `dt` itself, outside autograd (what `to_local()` views, minus its autograd node)."""
+    return dt._local_tensor
+
+
+def dtensor_spec(dt: DTensor) -> DTensorSpec:
+    return dt._spec
+
+
+def dtensor_grad(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """The gradient of a (non-Partial) DTensor with `spec`, around this rank's `local` gradient: what
+    `to_local()`'s backward builds (same placements, global shape, global stride from the local
+    layout), without its autograd Function and from_local round trip."""
+    _, stride = compute_global_tensor_info(local, spec.mesh, spec.placements)
+    meta = spec.tensor_meta
+    if tuple(stride) == meta.stride and local.dtype == meta.dtype:
+        spec = copy.copy(spec)  # as torch does: propagation may modify a spec
+    else:
+        spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=TensorMeta(meta.shape, tuple(stride), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
 
 
 def export_graph(module: torch.nn.Module, args: tuple) -> torch.fx.GraphModule:
@@ -90,3 +119,11 @@ def module_hook_ids(module: torch.nn.Module | None = None) -> tuple:
         dicts = (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
                  module._backward_hooks)
     return tuple(tuple(d) for d in dicts)
+
+
+def lazy_recompile():
+    """A context in which GraphModules created (traced, copied) generate their Python code only when
+    first called or read (`_LazyGraphModule`), not on every `recompile()`: a 20,000-node graph that is
+    only costed, never run, skips seconds of code generation per rewrite."""
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+    return _use_lazy_graph_module(True)

@@ -30,6 +30,8 @@
                   + the program runs on LOCAL shapes: propagating fake tensors of each input's
                   local shape (parameters: the plan's master shard) gives every planned op the
                   local shape of its planned output spec.
+    fuse_addmm    (same invariants) + add(mm, bias) pairs with no collective between them may be one
+                  addmm node (the add's meta, meta["autopar_pass"] = "fuse_addmm").
 """
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ def verify(gm: fx.GraphModule, stage: str, ctx=None) -> None:
         "bucket_layer_gathers": (_captured, _lowered),
         "schedule_overlap": (_captured, _lowered),
         "localize_shapes": (_captured, _lowered, _local),
+        "fuse_addmm": (_captured, _lowered, _local),
     }
     if stage not in checks:
         raise ValueError(f"unknown stage {stage!r}; one of {list(checks)}")

@@ -1,7 +1,8 @@
 """Measured training step time: autopar's plans against PyTorch's own parallelism, same GPT.
 
     torchrun --nproc_per_node 2 benchmarks/step_time.py                  # ~3-5 minutes on 2 shared cores
-    torchrun --nproc_per_node 2 benchmarks/step_time.py --profile dp,DDP  # + torch.profiler op tables
+    torchrun --nproc_per_node 2 benchmarks/step_time.py --profile dp,DDP  # + torch.profiler: time by
+                                                                          # category, then by op
 
 One step = zero_grad + forward + backward + AdamW step. Every variant is built once, then the
 variants take turns (`--rounds` rounds of `--steps` timed steps each, after `--warmup` untimed
@@ -184,15 +185,70 @@ def timed_step(v: Variant, x, y) -> None:
     v.cpu_times.append(dt[1].item())
 
 
-def profile_step(v: Variant, x, y, rank: int, top: int = 22) -> str:
-    """torch.profiler over one step of `v` on every rank; returns rank 0's table of ops by own CPU time
-    (aten kernels, collectives and their waits, Python-level wrappers)."""
-    from torch.profiler import ProfilerActivity, profile
+def profile_step(v: Variant, x, y, rank: int, top: int = 22, steps: int = 3) -> str:
+    """torch.profiler over `steps` steps of `v` on every rank; returns rank 0's split by category
+    (`categories`) and its table of ops by own CPU time (aten kernels, collectives and their waits,
+    Python-level wrappers)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        v.step(x, y)
+        for _ in range(steps):
+            for phase, fn in (("zero_grad", lambda: v.opt.zero_grad(set_to_none=True)),
+                              ("forward+backward", lambda: v._step_fn(x, y)), ("optimizer", v.opt.step)):
+                with record_function(PHASE + phase):
+                    fn()
+    if rank != 0:
+        return ""
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=48)
-    return table if rank == 0 else ""
+    return categories(prof.events(), steps) + "\n\n" + table
+
+
+PHASE = "step_time: "
+COLLECTIVE = ("c10d::", "_c10d_functional::", "gloo:", "nccl:")
+WRAP = ("_ToTorchTensor", "_FromTorchTensor", "AccumulateGrad", "PythonSubclass")
+LAYOUT = {"copy_", "clone", "detach", "alias", "view", "_unsafe_view", "t", "permute", "transpose", "as_strided",
+          "expand", "reshape", "contiguous", "slice", "select", "unsqueeze", "squeeze", "split", "split_with_sizes",
+          "empty", "empty_like", "empty_strided", "zeros", "fill_", "zero_", "unflatten", "flatten", "narrow",
+          "_to_copy", "to", "lift_fresh"}
+OWNERS = ("collectives and their waits", "DTensor wrapping, gradient accumulation")
+
+
+def _category(name: str, phase: str) -> str:
+    if phase != "forward+backward":
+        return f"{phase}: " + ("aten kernels" if name.startswith("aten::") else "Python, DTensor dispatch")
+    if name.startswith(COLLECTIVE):
+        return OWNERS[0]
+    if any(w in name for w in WRAP):
+        return OWNERS[1]
+    if name.startswith("aten::"):
+        return "copies, views, fills" if name[6:] in LAYOUT else "compute kernels"
+    return "Python, autograd, other"
+
+
+def categories(events, steps: int) -> str:
+    """Own time per step by category. In forward+backward, events inside a collective or a DTensor
+    wrapper count as it; time no event covers (Python, DDP's gradient wait) has its own line."""
+    total: dict[str, float] = {}
+    for e in events:
+        if e.name.startswith(PHASE):
+            phase = e.name[len(PHASE):]
+            cat = "forward+backward: untraced (Python, DDP's wait)" if phase == "forward+backward" else \
+                f"{phase}: Python, DTensor dispatch"
+        else:
+            phase, owner, anc = "?", None, e.cpu_parent
+            while anc is not None:
+                if anc.name.startswith(PHASE):
+                    phase = anc.name[len(PHASE):]
+                elif owner is None and _category(anc.name, "forward+backward") in OWNERS:
+                    owner = anc.name  # the innermost: DDP's all-reduce runs inside AccumulateGrad
+                anc = anc.cpu_parent
+            cat = _category(e.name, phase)
+            if owner and phase == "forward+backward" and cat not in OWNERS:
+                cat = _category(owner, phase)
+        total[cat] = total.get(cat, 0.0) + e.self_cpu_time_total / 1e3 / steps
+    width = max(map(len, total)) + 2
+    lines = [f"{cat:<{width}}{ms:>9.1f} ms" for cat, ms in sorted(total.items(), key=lambda kv: -kv[1]) if ms >= 0.05]
+    return "\n".join(lines + [f"{'total':<{width}}{sum(total.values()):>9.1f} ms  (own time per step, rank 0)"])
 
 
 def _ratio(v: Variant, med: dict, natives: list[Variant]) -> str:
@@ -236,7 +292,7 @@ def main(argv=None) -> None:
                    help="AdamW(foreach=...) for every variant: torch's default on CPU is the per-parameter "
                         "loop, where each op on a DTensor parameter (autopar, FSDP2, TP) pays DTensor dispatch; "
                         "'on' is what torchtitan uses")
-    p.add_argument("--profile", default=None, help="profile one step of these variants, e.g. dp,DDP")
+    p.add_argument("--profile", default=None, help="profile 3 steps of these variants, e.g. dp,DDP: time by category, then by op")
     args = p.parse_args(argv)
 
     dist.init_process_group("gloo")
@@ -273,7 +329,8 @@ def main(argv=None) -> None:
         target = next(v for v in variants if v.name in (name, f"autopar {name}"))
         text = profile_step(target, *batches[0], rank)
         if rank == 0:
-            print(f"\ntorch.profiler, one {target.name} step on rank 0, by own CPU time:\n{text}", flush=True)
+            print(f"\ntorch.profiler, {target.name}, rank 0, by category then by op (own CPU time, mean of 3 "
+                  f"steps; load {os.getloadavg()}):\n{text}", flush=True)
     dist.destroy_process_group()
 
 

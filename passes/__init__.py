@@ -20,6 +20,7 @@ from .apply_plan import apply_plan_pass
 from .bucket_collectives import bucket_collectives_pass
 from .bucket_layer_gathers import bucket_layer_gathers_pass
 from .context import PassContext
+from .fuse_addmm import fuse_addmm_pass
 from .insert_redistribute import insert_redistribute_pass
 from .localize_shapes import localize_shapes_pass
 from .lower_collectives import lower_collectives_pass
@@ -35,12 +36,13 @@ PIPELINE = (
     ("bucket_layer_gathers", bucket_layer_gathers_pass),  # a layer's parameter gathers (ZeRO-3) -> one per phase
     ("schedule_overlap", schedule_overlap_pass),        # gradient buckets start in the backward, waited at the end
     ("localize_shapes", localize_shapes_pass),          # global size arguments -> local
+    ("fuse_addmm", fuse_addmm_pass),                    # mm + bias add left together -> addmm (as eager)
 )
 
 
 # Passes the program is correct without (they change memory or speed, not numbers); the only ones
 # AUTOPAR_DISABLE_PASSES may name.
-OPTIONAL = frozenset({"recompute", "bucket_collectives", "bucket_layer_gathers", "schedule_overlap"})
+OPTIONAL = frozenset({"recompute", "bucket_collectives", "bucket_layer_gathers", "schedule_overlap", "fuse_addmm"})
 
 
 def env_disabled() -> frozenset:
@@ -105,4 +107,4 @@ def _dump(folder: str, fname: str, gm: fx.GraphModule) -> None:
 
 __all__ = ["PIPELINE", "OPTIONAL", "PassContext", "run_passes", "env_disabled", "describe", "emitted_collectives", "apply_plan_pass", "insert_redistribute_pass",
            "lower_collectives_pass", "bucket_collectives_pass", "bucket_layer_gathers_pass",
-           "localize_shapes_pass", "recompute_pass", "schedule_overlap_pass"]
+           "localize_shapes_pass", "recompute_pass", "schedule_overlap_pass", "fuse_addmm_pass"]

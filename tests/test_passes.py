@@ -20,6 +20,8 @@ from autopar.passes.ops import redistribute
 from autopar.placement import SS, P, PAVG, R, S, local_shape, spec_str
 from dist_utils import run_distributed
 
+aten = torch.ops.aten
+
 
 class MLP(nn.Module):
     def __init__(self, h):
@@ -67,6 +69,12 @@ def test_megatron_mlp_passes_structure():
             assert len(fwd) == 1
         if name == "lower_collectives":
             assert not redists
+        if name == "fuse_addmm":  # fc1's bias joins its mm again; fc2's is added after the all-reduce
+            fwd = [n for n in gm.graph.nodes if n.op == "call_function" and n.meta.get("phase") == "forward"]
+            assert [str(n.target) for n in fwd if n.target in (aten.addmm.default, aten.mm.default)] == \
+                ["aten.addmm.default", "aten.mm.default"]
+            (mm,) = [n for n in fwd if n.target is aten.mm.default]
+            assert [str(u.target) for u in mm.users] == ["_c10d_functional.all_reduce.default"]
     emitted = Counter((c["kind"], c["phase"]) for c in emitted_collectives(gm))
     assert emitted == Counter((r.kind, r.phase) for r in plan.collectives)
     assert emitted[("all_reduce", "forward")] == 1
@@ -87,6 +95,8 @@ def test_passes_with_nothing_to_do_leave_the_graph_unchanged():
     gm = PIPELINE[0][1](c.gm, ctx)
     before = gm.code
     for name, fn in PIPELINE[1:]:
+        if name == "fuse_addmm":  # not a distribution pass: it rejoins the split addmm at any world size
+            continue
         gm = fn(gm, ctx)
         verify(gm, name, ctx)
         assert gm.code == before, name
@@ -125,6 +135,36 @@ def test_env_switches_off_optional_passes_only(monkeypatch):
         monkeypatch.setenv("AUTOPAR_DISABLE_PASSES", bad)
         with pytest.raises(InputError, match=says):
             run_passes(_captured(model, inputs).gm, _ctx(plan, c))
+
+def test_fuse_addmm_joins_only_an_mm_whose_sole_user_is_a_1d_bias_add():
+    """add(mm, b) and add(b, mm) become addmm with the same values; an mm used twice, a bias add with
+    alpha or of another dtype, and a 2-D addend stay apart."""
+    from autopar.passes.fuse_addmm import fuse_addmm_pass
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w, b, b16, g):
+        y1 = aten.add.Tensor(aten.mm.default(x, aten.t.default(w)), b)         # fused
+        y2 = aten.add.Tensor(b, aten.mm.default(x, w))                         # fused (bias first)
+        m = aten.mm.default(x, w)
+        y3 = aten.add.Tensor(m, b) + m                                         # mm used twice
+        y4 = aten.add.Tensor(aten.mm.default(x, w), b, alpha=2)                # alpha
+        y5 = aten.add.Tensor(aten.mm.default(x, w), b16)                       # promotes to float64
+        y6 = aten.add.Tensor(aten.mm.default(x, w), g)                         # a 2-D operand (a gradient)
+        return y1, y2, y3, y4, y5, y6
+
+    args = (torch.randn(6, 4), torch.randn(4, 4), torch.randn(4), torch.randn(4, dtype=torch.float64),
+            torch.randn(6, 4))
+    gm = make_fx(f)(*args)
+    want = gm(*args)
+    gm = fuse_addmm_pass(gm, None)
+    ops = Counter(n.target for n in gm.graph.nodes if n.op == "call_function")
+    assert ops[aten.addmm.default] == 2 and ops[aten.mm.default] == 4, ops
+    assert all(n.meta["autopar_pass"] == "fuse_addmm" and n.meta["val"].shape == (6, 4)
+               for n in gm.graph.nodes if n.target is aten.addmm.default)
+    for got, ref in zip(gm(*args), want):
+        torch.testing.assert_close(got, ref)
+    assert fuse_addmm_pass(gm, None).code == gm.code  # nothing left to do
+
 
 # ------------------------------------------------------------------ lowering numerics on gloo ranks
 

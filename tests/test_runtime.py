@@ -45,18 +45,38 @@ def _kws(world):
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda world: f"world{world}")
 def runs(request):
     """Every model's runs at one world in one spawn (dist_cases.run_each): starting `world` ranks costs each
-    of them seconds of imports. (world, {model name: (case, batches, every rank's result)})."""
+    of them seconds of imports. (world, {model name: (case, batches, every rank's result)}, every rank's
+    results of the jobs after the models': gradient_placements)."""
     world = request.param
     cases = {name: make() for name, make in MODELS.items()}
     batches = {name: _batches(case) for name, case in cases.items()}
     jobs = [(train_many, cases[name].model, batches[name], STEPS, _kws(world)) for name in MODELS]
+    jobs.append((gradient_placements, cases["gpt"].model, batches["gpt"][0]))
     results = run_distributed(run_each, world, jobs, timeout=1800)
-    return world, {name: (cases[name], batches[name], [r[j] for r in results]) for j, name in enumerate(MODELS)}
+    out = {name: (cases[name], batches[name], [r[j] for r in results]) for j, name in enumerate(MODELS)}
+    return world, out, [r[len(MODELS):] for r in results]
+
+
+def gradient_placements(rank, world, model, batch):
+    """After a train_step under tp (Shard, strided Shard and Replicate parameters): per parameter, whether
+    p.grad is a DTensor with p's placements, global shape and local shape; and what a hook saw."""
+    import copy
+    from torch.distributed.tensor import DTensor
+    pmodel = autopar.autoparallelize(copy.deepcopy(model), batch[0], example_kwargs=batch[1], strategy="tp")
+    hooked = []
+    for p in pmodel.parameters():  # gradients still pass through autograd (hooks run, once each)
+        p.register_hook(lambda g: hooked.append(isinstance(g, DTensor)))
+    pmodel.train_step(*batch[0], **batch[1])
+    return {"grads": {name: isinstance(p.grad, DTensor) and p.grad.placements == p.placements
+                      and p.grad.shape == p.shape and p.grad.to_local().shape == p.to_local().shape
+                      for name, p in pmodel.named_parameters()},
+            "hooked": hooked, "num_params": len(list(pmodel.parameters())),
+            "placements": sorted({str(p.placements) for p in pmodel.parameters()})}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_matches_single_process(runs, name):
-    world, by_name = runs
+    world, by_name, _ = runs
     case, batches, results = by_name[name]
     errors = [f"rank {rank}: {e}" for rank, e in enumerate(results) if isinstance(e, str)]
     assert not errors, "\n".join(errors)
@@ -72,6 +92,16 @@ def test_matches_single_process(runs, name):
         assert mem["optimizer"] == pytest.approx(plan.memory_breakdown["optimizer"]), label
         if kw == {"strategy": "tp"} and world == 2 and name in ("gpt", "gpt2"):  # fused q;k;v: whole heads (#3)
             assert is_strided(plan.placement("transformer.h.0.attn.c_attn.weight")[0]), label
+
+
+def test_gradients_are_dtensors_placed_like_their_parameters(runs):
+    """_JointStep hands autograd DTensor gradients built from the graph's local ones (no to_local node)."""
+    world, _, extra = runs
+    for rank, (res,) in enumerate(extra):
+        assert not isinstance(res, str), f"rank {rank}: {res}"
+        assert all(res["grads"].values()), f"rank {rank}: {[n for n, ok in res['grads'].items() if not ok]}"
+        assert res["hooked"] == [True] * res["num_params"], rank
+        assert any("Shard" in p for p in res["placements"]) and any("Replicate" in p for p in res["placements"])
 
 
 def test_meta_model_materialises_only_local_shards():
