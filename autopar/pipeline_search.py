@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from autopar import _torch_compat as compat
 from autopar import recipes
 from autopar.canonicalize import canonicalize
 from autopar.capture import capture
@@ -39,6 +40,7 @@ from autopar.forest_bound import forest_lower_bound, spanning_forest
 from autopar.layer_profile import layer_costs, unit_names
 from autopar.mesh import Mesh
 from autopar.pipeline_candidates import INTERLEAVE, Candidate, branch_and_bound, price
+from autopar.reshard import ReshardCost
 from autopar.solver import solve
 from autopar.stages import SCHEDULES, LayerCost, mesh_factorizations
 
@@ -112,12 +114,14 @@ class Profiler:
         self.problems: dict[tuple, object] = {}            # insertion-ordered: the oldest is dropped first
         self.floors: dict[int, tuple[float, float, int]] = {}   # (per micro-batch, per step, units)
         self.forests: dict = {}                             # the spanning forest of the last Problem bounded
+        self.reshards: dict[tuple, ReshardCost] = {}        # layout pricing per sub-mesh, shared by every build
 
     def captured(self, m: int):
         if m not in self.captures:
             inputs = split_inputs(self.inputs, m)
-            cap = capture(self.model, inputs, loss_fn=self.loss_fn, stamp_layers=True)
-            canonicalize(cap.gm)
+            with compat.lazy_recompile():   # the graph is costed, not run: no code generation per rewrite
+                cap = capture(self.model, inputs, loss_fn=self.loss_fn, stamp_layers=True)
+                canonicalize(cap.gm)
             self.captures[m] = (cap, inputs)
         return self.captures[m]
 
@@ -136,10 +140,19 @@ class Profiler:
             if strategy:
                 wanted = recipes.normalize({a: r for a, r in strategy.items() if a in mesh.axis_names}, mesh)
                 allowed = recipes.restriction(cap.gm, wanted, tuple(mesh.shape))
-            self.problems[key] = ProblemBuilder(cap, mesh, self.optimizer).build(allowed)
+            self.problems[key] = self._builder(cap, mesh).build(allowed)
             while len(self.problems) > PROBLEMS_KEPT:
                 self.problems.pop(next(iter(self.problems)))
         return self.problems[key]
+
+    def _builder(self, cap, mesh: Mesh) -> ProblemBuilder:
+        """A ProblemBuilder whose layout pricing (`reshard.ReshardCost`, a pure function of the mesh and
+        hardware) is shared with every earlier build on the same mesh: other micro-batch sizes and
+        forced recipes price the same (spec, spec, bytes) copies again."""
+        builder = ProblemBuilder(cap, mesh, self.optimizer)
+        key = (tuple(mesh.shape), mesh.axis_names)
+        builder.reshard = self.reshards.setdefault(key, builder.reshard)
+        return builder
 
     @staticmethod
     def _inner(dp: int, tp: int, strategy) -> tuple:
@@ -188,7 +201,7 @@ class Profiler:
         this (`step_lower_bound`), so these bound every layout of this micro-batch size from below."""
         if m not in self.floors:
             cap, _ = self.captured(m)
-            prob = ProblemBuilder(cap, Mesh((1,), ("dp",), self.hardware, self.dpn), self.optimizer).build()
+            prob = self._builder(cap, Mesh((1,), ("dp",), self.hardware, self.dpn)).build()
             seconds = [float(np.min(c + lc)) for c, lc in zip(prob.compute, prob.local_comm)]
             step = sum(t for t, n in zip(seconds, prob.nodes) if n.op == "placeholder")
             self.floors[m] = (sum(seconds) - step, step, len(set(unit_names(prob)[1])))

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from autopar.costmodel.comm import collective_time
+from autopar.costmodel.comm import coefficients, collective_time
 from autopar.costmodel.hardware import LinkSpec
 from autopar.placement import R, Spec, is_partial, is_shard, is_strided, local_fraction
 
@@ -125,13 +125,24 @@ def _templates(src: Spec, dst: Spec, axis_sizes: tuple[int, ...]) -> list[tuple[
 
 
 class ReshardCost:
-    """Prices spec changes on a mesh, caching by (src, dst, bytes, bucketed)."""
+    """Prices spec changes on a mesh, caching by (src, dst, bytes, bucketed). Specs are keyed by a
+    small integer (equal specs share one): hashing torch's Placement objects is slow Python, and the
+    planner asks for the same few specs hundreds of thousands of times."""
 
     def __init__(self, mesh):
         self.mesh = mesh
         self.axis_sizes = tuple(mesh.shape)
-        self._time = lru_cache(maxsize=None)(self._compute)
-        self._templates = lru_cache(maxsize=None)(lambda src, dst: _templates(src, dst, self.axis_sizes))
+        self._times: dict[tuple, float] = {}
+        self._pairs: dict[tuple[int, int], list] = {}          # (src, dst) -> `_templates`
+        self._by_id: dict[int, tuple[Spec, int]] = {}          # id(spec) -> (spec kept alive, its number)
+        self._by_value: dict[Spec, int] = {}
+        self._terms = lru_cache(maxsize=None)(self._step_terms)
+
+    def _number(self, spec: Spec) -> int:
+        found = self._by_id.get(id(spec))
+        if found is None:   # the spec is held in _by_id, so its id is never reused for another object
+            found = self._by_id[id(spec)] = (spec, self._by_value.setdefault(spec, len(self._by_value)))
+        return found[1]
 
     def step_time(self, step: Step, bucketed: bool = False, total_bytes: float | None = None) -> float:
         link = self.mesh.hardware.link(self.mesh.link_kind(step.axis), step.kind)
@@ -143,16 +154,37 @@ class ReshardCost:
         t = collective_time(step.kind, step.nbytes, self.axis_sizes[step.axis], LinkSpec(link.bandwidth, latency))
         return t if bucketed else t + LAUNCH_FRACTION * link.latency
 
-    def _compute(self, src: Spec, dst: Spec, nbytes: float, bucketed: bool) -> float:
-        # the same floating-point operations as summing step_time over steps(src, dst, nbytes)
-        return sum(self.step_time(Step(kind, axis, nbytes * frac / div if div != 1 else nbytes * frac),
-                                  bucketed, nbytes)
-                   for kind, axis, frac, div in self._templates(src, dst))
+    def _step_terms(self, kind: str, axis: int) -> tuple[float, float, float, float]:
+        """(bw(n), hops(n), bandwidth, latency) of one collective kind on one axis: what `step_time` looks up."""
+        link = self.mesh.hardware.link(self.mesh.link_kind(axis), kind)
+        return (*coefficients(kind, self.axis_sizes[axis]), link.bandwidth, link.latency)
+
+    def _compute(self, templates: list, nbytes: float, bucketed: bool) -> float:
+        # the same floating-point operations as summing step_time over steps(src, dst, nbytes), with
+        # the per-(kind, axis) lookups cached: collective_time is bw * B / bandwidth + hops * latency
+        total = 0
+        for kind, axis, frac, div in templates:
+            step_bytes = nbytes * frac / div if div != 1 else nbytes * frac
+            bw, hops, bandwidth, latency = self._terms(kind, axis)
+            if bucketed:
+                t = bw * step_bytes / bandwidth + hops * (latency * min(1.0, nbytes / BUCKET_BYTES))
+            else:
+                t = bw * step_bytes / bandwidth + hops * latency + LAUNCH_FRACTION * latency
+            total += t
+        return total
 
     def time(self, src: Spec, dst: Spec, nbytes: float, bucketed: bool = False) -> float:
         if src is dst:
             return 0.0
-        return self._time(src, dst, float(nbytes), bucketed) or 0.0
+        pair = (self._number(src), self._number(dst))
+        key = (*pair, float(nbytes), bucketed)
+        t = self._times.get(key)
+        if t is None:
+            templates = self._pairs.get(pair)
+            if templates is None:
+                templates = self._pairs[pair] = _templates(src, dst, self.axis_sizes)
+            t = self._times[key] = self._compute(templates, float(nbytes), bucketed) or 0.0
+        return t
 
     def steps(self, src: Spec, dst: Spec, nbytes: float) -> list[Step]:
         return steps(src, dst, nbytes, self.axis_sizes)

@@ -172,3 +172,37 @@ def test_pruned_search_finds_the_exhaustive_best_and_runners_up():
                                  INTERLEAVE)
         forest = prof.forest_bound(c.num_microbatches, c.dp, c.tp, None, c.pp, c.schedule)
         assert cheap <= c.step_time * (1 + 1e-9) and forest <= c.step_time * (1 + 1e-9)
+
+
+def test_profiler_graphs_and_problems_equal_a_plain_capture_and_build():
+    """The Profiler captures without generating code per rewrite (lazy recompile) and shares layout
+    pricing across builds on one sub-mesh: its graph is node for node a plain capture's, still runs
+    as Python code, and its Problems (a second micro-batch size priced with the first's warm cache) are
+    those of a fresh ProblemBuilder, bit for bit."""
+    import numpy as np
+
+    from autopar.pipeline_search import Profiler
+    case = models.meta_gpt(n_layer=6, n_embd=128, n_head=4, batch=8, seq=64)
+    mesh = autopar.Mesh((8,), hardware="h100", devices_per_node=4)
+    prof = Profiler(case.model, case.example_inputs, mesh.hardware, 4)
+
+    def nodes(gm):
+        return [(n.op, str(n.target), repr(n.args), repr(n.kwargs), n.name, n.meta.get("phase"),
+                 n.meta.get("module_path"), getattr(n.meta.get("val"), "shape", None)) for n in gm.graph.nodes]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for m in (1, 2):
+            cap, inputs = prof.captured(m)
+            plain = capture(case.model, inputs, cache=False)
+            canonicalize(plain.gm)
+            assert nodes(cap.gm) == nodes(plain.gm) and cap.gm.code == plain.gm.code
+            fresh = ProblemBuilder(plain, prof.sub_mesh(2, 4)).build()
+            shared = prof.problem(m, 2, 4)
+            assert len(shared.cg.edges) == len(fresh.cg.edges) > 0
+            for a, b in zip(shared.cg.nodes, fresh.cg.nodes):
+                np.testing.assert_array_equal(a.time, b.time)
+                np.testing.assert_array_equal(a.memory, b.memory)
+            for a, b in zip(shared.cg.edges, fresh.cg.edges):
+                assert (a.src, a.dst) == (b.src, b.dst)
+                np.testing.assert_array_equal(a.time, b.time)
+    assert len(prof.reshards) == 1
