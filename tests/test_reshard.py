@@ -2,6 +2,7 @@
 `step_time` over `steps()`: the planner's fast path prices exactly what the explained steps say."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -32,9 +33,8 @@ def test_cached_time_equals_the_sum_of_its_steps(shape):
 def test_cached_time_uses_a_calibrated_collective_fit():
     mesh = Mesh((4,), hardware="h100", devices_per_node=8)
     fitted = LinkSpec(bandwidth=1e9, latency=1e-3)   # far slower than the preset's intra-node link
-    hw = mesh.hardware
-    calibrated = Mesh((4,), hardware=type(hw)(**{**hw.__dict__, "collectives": {"intra": {"all_gather": fitted}}}),
-                      devices_per_node=8)
+    hw = dataclasses.replace(mesh.hardware, collectives={"intra": {"all_gather": fitted}})
+    calibrated = Mesh((4,), hardware=hw, devices_per_node=8)
     plain, fit = ReshardCost(mesh).time((S(0),), (R,), 1e6), ReshardCost(calibrated).time((S(0),), (R,), 1e6)
     assert fit == 3 / 4 * 1e6 / 1e9 + 3 * 1e-3 + 0.1 * 1e-3
     assert plain < fit
