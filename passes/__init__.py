@@ -48,7 +48,7 @@ OPTIONAL = frozenset({"recompute", "bucket_collectives", "bucket_layer_gathers",
 # Passes that run only when named in AUTOPAR_ENABLE_PASSES. fuse_addmm: eager's addmm rounds unlike
 # mm + add, and over 20 AdamW steps that moved 69 of 4,672 tied-embedding elements by up to 6e-5
 # between a zero3 run on 4 ranks and its tp resume on 2 (tests/test_examples.py), past that test's
-# bound for Adam's amplification of near-eps gradients; on until that is understood, it stays opt-in.
+# bound for Adam's amplification of near-eps gradients; until that is understood, it stays opt-in.
 DEFAULT_OFF = frozenset({"fuse_addmm"})
 
 
