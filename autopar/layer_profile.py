@@ -7,7 +7,10 @@ final norm, head, loss). For the chosen strategy of every node this module sums,
     forward / backward   the node's compute + node-local collectives, plus the resharding on its
                          input edges, by the phase of the consuming node (per micro-batch)
     per_step             what runs once per step whatever the micro-batch count: the optimizer
-                         update, ZeRO-1/2 parameter gathers, gradient all-reduce / reduce-scatter
+                         update, ZeRO-1/2 parameter gathers, gradient all-reduces (the pipelined
+                         runtime defers them to the step's end, passes/defer_grad_reductions.py);
+                         a gradient's other collectives (ZeRO reduce-scatters) run in every
+                         micro-batch's backward and count under backward
     state_bytes          params + gathered params + grads + optimizer state of its parameters
     activation_bytes     the outputs its forward ops keep for backward (costing.saved_values)
     boundary_bytes       forward values made at or before this unit and read by a later unit,
@@ -101,7 +104,9 @@ def layer_costs(prob: Problem, choice: np.ndarray, captured=None) -> list[LayerC
     for e, ce in zip(prob.edges, prob.cg.edges):
         t, u = float(ce.time[choice[e.src], choice[e.dst]]), unit[e.dst]
         if e.kind == "grad":
-            step[unit[e.src]] += t
+            once = _all_reduce_seconds(prob, e, choice)
+            step[unit[e.src]] += once
+            bwd[unit[e.dst]] += max(0.0, t - once)
         elif prob.nodes[e.dst].meta.get("phase") == "forward":
             fwd[u] += t
         else:
@@ -110,6 +115,16 @@ def layer_costs(prob: Problem, choice: np.ndarray, captured=None) -> list[LayerC
     used = set(unit)
     return [LayerCost(names[u], float(fwd[u]), float(bwd[u]), float(state[u]), float(act[u]), float(boundary[u]),
                       per_step=float(step[u])) for u in range(n) if u in used]
+
+
+def _all_reduce_seconds(prob: Problem, e, choice: np.ndarray) -> float:
+    """The all-reduce steps' share of a gradient edge's (bucketed) seconds: the same terms as
+    `ReshardCost.time`, which prices the edge."""
+    rs = prob.reshard
+    grad_spec = prob.strategies[e.dst][choice[e.dst]].outs[e.out]
+    master = prob.strategies[e.src][choice[e.src]].master
+    return sum(rs.step_time(st, bucketed=True, total_bytes=e.nbytes)
+               for st in rs.steps(grad_spec, master, e.nbytes) if st.kind == "all_reduce")
 
 
 def _boundaries(prob: Problem, choice: np.ndarray, unit: list[int], n: int) -> np.ndarray:

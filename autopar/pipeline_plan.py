@@ -11,6 +11,14 @@ Steps (`plan_pipelined_captured`, after the micro-batch graph is captured):
   4. the Plan: every spec widened with "R" on the pp axis, one StagePlan per stage (its units, its
      global ranks, time per micro-batch, memory), the schedule's step time.
 
+Collectives: `Plan.collectives` lists those of the micro-batch graph, each once. At run time a
+gradient all-reduce runs once per step, after the schedule's last backward (the runtime defers it,
+passes/defer_grad_reductions.py); every other collective runs in the stage programs, once per
+micro-batch (activation resharding, ZeRO gradient reduce-scatters, the loss's), a tied parameter's
+gradient collectives on each stage that holds it. A known gap: a ZeRO-1/2 parameter gather, which
+the cost model counts once per step, is recomputed by every program that reads the parameter (a
+forward and usually the backward program of each micro-batch; passes/split_stages.py, floating nodes).
+
 Defaults: schedule "1f1b"; num_microbatches = num_stages (the least that keeps every stage busy in
 the steady state; more micro-batches shrink the bubble (p-1)/(m+p-1) but each is smaller).
 

@@ -12,6 +12,13 @@ several stages (a tied embedding) lives once on each rank that holds one of them
 rank's chunks, whose contributions autograd sums) and its gradient is all-reduced between those
 ranks after the schedule (Megatron's embedding group).
 
+Gradient all-reduces run once per step, not once per micro-batch: `defer_grad_reductions_pass` takes
+them out of the program before the split, each stage's backward leaves those gradients Partial,
+p.grad sums them over the micro-batches, and `train_step` all-reduces them after the schedule in flat
+buckets per process group (as DDP's no_sync + one reduction; what the cost model prices). Gradient
+reduce-scatters (ZeRO) stay in every micro-batch's backward: accumulating unsharded gradients would
+cost the memory ZeRO saves.
+
 `train_step(*inputs)` returns the mean loss over the micro-batches (the full-batch loss for a mean
 loss) on every rank and leaves gradients, averaged over micro-batches, in p.grad for
 optimizer.step(). Calling the module (`pmodel(*inputs)`) is a forward-only evaluation: the loss, no
@@ -35,6 +42,8 @@ from autopar.materialize import is_meta
 from autopar.mesh import Mesh
 from autopar.passes import PassContext, run_passes
 from autopar.passes.context import parse_spec
+from autopar.passes.defer_grad_reductions import defer_grad_reductions_pass
+from autopar.passes.ops import start_all_reduce, wait_buckets
 from autopar.passes.split_stages import StageProgram, split_stages
 from autopar.plan import Plan
 from autopar.planner import fingerprint
@@ -81,6 +90,7 @@ def autoparallelize_pipelined(model: nn.Module, example_inputs: tuple, *, mesh: 
                       grad_names=tuple(captured.grad_param_names), device=device,
                       disabled=frozenset({"bucket_collectives"}))  # a bucket must not mix two stages' grads
     gm = run_passes(captured.gm, ctx, verify=verify)
+    gm = defer_grad_reductions_pass(gm, ctx)   # gradient all-reduces: once per step, in train_step
     units = [list(s.modules) for s in plan.stages]
     programs = split_stages(gm, units, [u for s in units for u in s], list(captured.grad_param_names))
     return PipelinedModule(model, captured, plan, programs, device_mesh, sub_dm, coords, stage_plan, device)
@@ -191,6 +201,7 @@ class PipelinedModule(nn.Module):
         object.__setattr__(self, "_stages", [_StageModule(programs[k], params, buffers, k == last, sub_dm)
                                              for k in self._chunks])
         self._shared = _shared_groups(programs, self._pp_rank, self._num_ranks, self._per_stage, coords[1:], sub_dm)
+        self._deferred = _deferred_by_axis([programs[k] for k in self._chunks])
         pipes = [self._pipeline_stage(programs[k], mod, k, len(programs), sub_dm)
                  for k, mod in zip(self._chunks, self._stages)]
         # scale_grads=False: train_step divides each gradient by m once (torch scales per stage, which
@@ -247,6 +258,8 @@ class PipelinedModule(nn.Module):
         losses: list = []
         extra = dict(target=torch.zeros(self._m), losses=losses, return_outputs=False) if last else {}
         (self._schedule.step if train else self._schedule.eval)(*args, **extra)
+        if train:   # before the world-wide broadcast: a stage that drains early reduces while others finish
+            self._reduce_deferred()
         loss = torch.stack([x.detach() for x in losses]).mean() if last else torch.zeros(())
         dist.broadcast(loss, src=(self._num_ranks - 1) * self._per_stage)  # one source for the whole world
         return loss
@@ -263,6 +276,19 @@ class PipelinedModule(nn.Module):
             if grad is not None:
                 dist.all_reduce(grad.to_local(), group=group)
         return loss
+
+    def _reduce_deferred(self) -> None:
+        """The gradient all-reduces the stage programs left out (passes/defer_grad_reductions.py), once per
+        step on the micro-batches' summed partial gradients: per mesh axis, one bucketed all-reduce per
+        process group (25 MB flat buckets, passes/ops.py), axis after axis (a gradient reduced on two)."""
+        for axis, groups in self._deferred:
+            pending = []
+            for group, names in groups:
+                grads = [self.get_parameter(n).grad.to_local() for n in names]
+                pending.append((grads, start_all_reduce(grads, "sum", group)))
+            for grads, flight in pending:
+                for g, summed in zip(grads, wait_buckets(flight)):
+                    g.copy_(summed)
 
     def forward(self, *inputs, **kwargs) -> torch.Tensor:
         """Forward-only evaluation of every micro-batch: the mean loss, no gradients."""
@@ -308,6 +334,16 @@ def _flat(coords, sub_dm) -> int:
     for c, n in zip(coords, sub_dm.shape):
         index = index * n + c
     return index
+
+
+def _deferred_by_axis(programs: list[StageProgram]) -> list[tuple[int, list[tuple[str, list[str]]]]]:
+    """[(axis, [(group name, parameter names)])], axes and names sorted: the deferred gradient all-reduces
+    of this rank's chunks (a parameter two chunks share, once), in an order every rank of a group shares."""
+    by_axis: dict[int, dict[str, set[str]]] = {}
+    for prog in programs:
+        for d in prog.deferred:
+            by_axis.setdefault(d["axis_index"], {}).setdefault(d["group"], set()).add(d["param"])
+    return [(axis, [(g, sorted(names)) for g, names in sorted(by_axis[axis].items())]) for axis in sorted(by_axis)]
 
 
 def _shared_groups(programs, pp_rank: int, num_ranks: int, per_stage: int, coords, sub_dm) -> list:

@@ -64,7 +64,7 @@ class LayerCost:
     state_bytes: float        # per device: params + grads + optimizer state of this unit
     activation_bytes: float   # per device per micro-batch: kept for backward
     boundary_bytes: float     # per device per micro-batch: the activation this unit sends to the next one
-    per_step: float = 0.0     # seconds once per step, not per micro-batch: gradient reduction,
+    per_step: float = 0.0     # seconds once per step, not per micro-batch: gradient all-reduces,
                               # optimizer update, ZeRO parameter gathers (added after the drain)
 
 

@@ -24,6 +24,9 @@ or one stage's contribution to the gradient of a parameter used by several stage
 embedding): the accumulation that sums those contributions is copied into every owner stage with
 the other stages' contributions left out, and the runtime all-reduces that gradient between them.
 
+Gradient all-reduces that `defer_grad_reductions` took out of the graph (the runtime runs them once
+per step) are listed with the stage whose parameters they reduce (`StageProgram.deferred`).
+
 Interleaved plans cut the graph into p*v chunks (`Plan.stages` lists one per chunk); the split is the
 same as for p*v stages: which rank runs a chunk is the runtime's business (autopar/pipeline_runtime.py).
 
@@ -73,6 +76,9 @@ class StageProgram:
     # boundary name -> spec of its gradient where the plan lays it out unlike the value (e.g. a replicated
     # activation whose gradient is split on the sequence): the runtime converts at the stage boundary
     grad_specs: dict = field(default_factory=dict)
+    # gradient all-reduces left to the runtime, once per step (passes/defer_grad_reductions.py): the
+    # records of this stage's grad_params, each with its "param", "group" and "axis_index"
+    deferred: list = field(default_factory=list)
 
     @property
     def params(self) -> list[str]:
@@ -464,7 +470,8 @@ def split_stages(gm: fx.GraphModule, stage_units: list[list[str]], unit_names: l
             grad_params=grad_params, input_grads=input_grads,
             shared_params=[p for p in split.cones if s in split.owners[p]],
             values={x.name: _value_meta(x) for x in inputs + outputs},
-            grad_specs=_grad_specs(split, inputs + outputs)))
+            grad_specs=_grad_specs(split, inputs + outputs),
+            deferred=[d for d in gm.meta.get("autopar_deferred", ()) if d["param"] in grad_params]))
         inputs = outputs
     check_programs(programs)
     return programs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections import Counter
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ STEPS = 3
 
 def train_pipelined(rank, world, model, batches, steps, kws):
     """autoparallelize (pipelined) + AdamW for `steps` steps, once per option set in `kws`."""
+    from autopar.passes import emitted_collectives
     from autopar.runtime import autoparallelize
     out = []
     for kw in kws:
@@ -27,8 +29,14 @@ def train_pipelined(rank, world, model, batches, steps, kws):
         pmodel = autoparallelize(copy.deepcopy(model), example, verify=True, baselines=False, **kw)
         losses, _ = train_steps(pmodel, batches, steps)
         args, kwargs = batches[0]
+        progs = [st.program for st in pmodel._stages]   # this rank's chunks
+        emitted = [(which, c["kind"], c["phase"], c["reason"], c["source"]) for prog in progs
+                   for which, gm in (("forward", prog.forward), ("backward", prog.backward))
+                   for c in emitted_collectives(gm)]
+        deferred = sorted({(d["param"], d["kind"], d["axis"], d["phase"]) for prog in progs for d in prog.deferred})
         out.append({"losses": losses, "state": pmodel.full_state_dict(), "plan": pmodel.plan.to_json(),
-                    "eval": pmodel(*args, **kwargs).item(), "owned": sorted(n for n, _ in pmodel.named_parameters())})
+                    "eval": pmodel(*args, **kwargs).item(), "owned": sorted(n for n, _ in pmodel.named_parameters()),
+                    "emitted": emitted, "deferred": deferred})
     return out
 
 
@@ -83,6 +91,32 @@ def test_split_stages_computes_the_joint_graph(name, cut):
     shared = [p.shared_params for p in programs]
     assert shared == ([["transformer.wte.weight"]] * 2 if name == "gpt" else [[], []])
     assert not set(programs[0].params) & set(programs[1].params) - set(shared[0])
+
+
+def test_layer_costs_count_gradient_all_reduces_once_and_reduce_scatters_per_microbatch():
+    """The pipelined runtime all-reduces a gradient once per step (passes/defer_grad_reductions.py) but
+    reduce-scatters a ZeRO gradient in every micro-batch's backward: layer_costs files the first under
+    per_step, the second under backward (the gradient edges' seconds, all of them, in one or the other)."""
+    from autopar import planner
+    from autopar.canonicalize import canonicalize
+    from autopar.capture import capture
+    from autopar.costing import ProblemBuilder
+    from autopar.layer_profile import layer_costs
+    case = models.tiny_gpt(batch=2, seq=8)
+    cap = capture(case.model, case.args)
+    canonicalize(cap.gm)
+    sub = autopar.Mesh((2,), axis_names=("dp",))
+    prob = ProblemBuilder(cap, sub).build()
+    for strategy in ("dp", "zero2"):
+        sol, _ = planner._solve_requested(prob, cap, sub, planner.recipes.normalize(strategy, sub), {}, 10)
+        k = sol.choice
+        params = sum(float(prob.compute[i][k[i]] + prob.local_comm[i][k[i]]) for i, n in enumerate(prob.nodes)
+                     if n.op == "placeholder")   # optimizer update (+ ZeRO gathers): once per step
+        grads = sum(float(ce.time[k[e.src], k[e.dst]]) for e, ce in zip(prob.edges, prob.cg.edges)
+                    if e.kind == "grad")
+        assert grads > 0, strategy
+        want = params + grads if strategy == "dp" else params   # all-reduces once; reduce-scatters per micro-batch
+        assert sum(x.per_step for x in layer_costs(prob, k, cap)) == pytest.approx(want, rel=1e-9), strategy
 
 
 def test_pipelined_plan_widens_the_mesh_and_round_trips():
@@ -213,7 +247,7 @@ def test_pp2_matches_single_process(name):
 
 def test_pp2_with_dp_and_tp_matches_single_process():
     """World 4: pp=2 x dp=2 (GPipe, and interleaved 1F1B: 4 one-unit chunks) and pp=2 x tp=2 (1F1B) on
-    the tied GPT."""
+    the tied GPT; the stage programs leave the gradient all-reduces to the runtime (once per step)."""
     case = models.tiny_gpt(batch=8, seq=16)
     batches = models.zoo_batches(case, STEPS)
     kws = [dict(mesh=autopar.Mesh((2, 2), axis_names=("pp", "dp")), strategy="dp", schedule="gpipe"),
@@ -221,6 +255,27 @@ def test_pp2_with_dp_and_tp_matches_single_process():
            dict(mesh=autopar.Mesh((2, 2), axis_names=("pp", "dp")), strategy="dp", schedule="interleaved_1f1b")]
     results = run_distributed(train_pipelined, 4, case.model, batches, STEPS, kws, timeout=900)
     _compare(results, case, batches, kws, 4)
+    for i, kw in enumerate(kws):
+        _check_deferred_reductions(autopar.Plan.from_json(results[0][i]["plan"]), [results[0][i], results[2][i]],
+                                   f"world=4 {kw}")
+
+
+def _check_deferred_reductions(plan, ranks, label):
+    """`ranks`: one rank per pipeline rank at one sub-mesh coordinate (together every chunk, m >= 2
+    micro-batches). Their stage programs run no gradient all-reduce (the runtime runs each once per
+    step, passes/defer_grad_reductions.py); their collectives plus the deferred ones are the plan's,
+    by kind and phase (a tied parameter's gradient is reduced on each stage holding it, once in the plan)."""
+    assert plan.num_microbatches >= 2, label
+    emitted = [c for got in ranks for c in got["emitted"] if not c[3].startswith("gradient")]
+    emitted += sorted({c for got in ranks for c in got["emitted"] if c[3].startswith("gradient")})
+    assert not [c for c in emitted if c[1] == "all_reduce" and c[3].startswith("gradient")], label
+    deferred = {d for got in ranks for d in got["deferred"]}
+    reduced = {c.source for c in plan.collectives if c.reason == "gradient" and c.kind == "all_reduce"}
+    assert {d[0] for d in deferred} == reduced, label
+    if "dp" in plan.mesh.axis_names:   # data parallel: every parameter's gradient, over dp
+        assert reduced and {d[2] for d in deferred} == {"dp"}, label
+    got = Counter((c[1], c[2]) for c in emitted) + Counter((d[1], d[3]) for d in deferred)
+    assert got == Counter((c.kind, c.phase) for c in plan.collectives), label
 
 
 def test_num_stages_auto_searches_layouts_and_trains_like_one_process():
