@@ -14,7 +14,7 @@ import autopar
 from autopar.canonicalize import canonicalize
 from autopar.capture import capture
 from autopar.ir import verify
-from autopar.passes import DEFAULT_OFF, PIPELINE, PassContext, emitted_collectives, run_passes
+from autopar.passes import PIPELINE, PassContext, emitted_collectives, run_passes
 from autopar.passes.lower_collectives import lower_collectives_pass
 from autopar.passes.ops import redistribute
 from autopar.placement import SS, P, PAVG, R, S, local_shape, spec_str
@@ -111,7 +111,7 @@ def test_run_passes_dumps_and_skips(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOPAR_DUMP_DIR", str(tmp_path))
     run_passes(c.gm, ctx, verify=True)
     dumped = sorted(p.name for p in tmp_path.iterdir())
-    ran = [(i, name) for i, (name, _) in enumerate(PIPELINE, start=1) if name not in {"localize_shapes", *DEFAULT_OFF}]
+    ran = [(i, name) for i, (name, _) in enumerate(PIPELINE, start=1) if name != "localize_shapes"]
     assert dumped == sorted(f"{i:02d}_{name}_{when}.py" for i, name in ran for when in ("before", "after"))
     assert "01_apply_plan_before.py" in dumped and not any("localize_shapes" in d for d in dumped)
     assert set(ctx.timings) == {name for _, name in ran}
@@ -125,21 +125,13 @@ def test_env_switches_off_optional_passes_only(monkeypatch):
     plan = autopar.plan(model, inputs, mesh=autopar.Mesh((2,), hardware="a100"), strategy="dp")
     c = _captured(model, inputs)
     ctx = _ctx(plan, c)
-    monkeypatch.setenv("AUTOPAR_DISABLE_PASSES", " schedule_overlap,bucket_collectives ")
+    monkeypatch.setenv("AUTOPAR_DISABLE_PASSES", " schedule_overlap,bucket_collectives,fuse_addmm ")
     gm = run_passes(c.gm, ctx, verify=True)
-    assert set(ctx.timings) == {name for name, _ in PIPELINE} - {"schedule_overlap", "bucket_collectives", *DEFAULT_OFF}
+    assert set(ctx.timings) == {name for name, _ in PIPELINE} - {"schedule_overlap", "bucket_collectives", "fuse_addmm"}
     targets = Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
     assert not any("fused" in t or "start_" in t for t in targets), targets  # nothing bucketed or started early
     assert sorted(c["kind"] for c in emitted_collectives(gm)) == sorted(c.kind for c in plan.collectives)
-    monkeypatch.setenv("AUTOPAR_ENABLE_PASSES", "fuse_addmm")     # an opt-in pass runs when named
-    monkeypatch.setenv("AUTOPAR_DISABLE_PASSES", "")
-    ctx = _ctx(plan, c)
-    run_passes(_captured(model, inputs).gm, ctx, verify=True)
-    assert "fuse_addmm" in ctx.timings
-    monkeypatch.setenv("AUTOPAR_ENABLE_PASSES", "recompute")
-    with pytest.raises(InputError, match="off by default"):
-        run_passes(_captured(model, inputs).gm, _ctx(plan, c))
-    monkeypatch.delenv("AUTOPAR_ENABLE_PASSES")
+    assert not any("addmm" in t for t in targets), targets  # the mm + add that canonicalize split stay apart
     for bad, says in (("lower_colectives", "unknown passes"), ("localize_shapes", "program is wrong")):
         monkeypatch.setenv("AUTOPAR_DISABLE_PASSES", bad)
         with pytest.raises(InputError, match=says):
