@@ -33,6 +33,10 @@ _CPSAT_PARAMS = {
 }
 
 
+_HIGHS_PARAMS = "output_flag=false\nmip_heuristic_run_feasibility_jump=false\n"
+_INTEGRAL = 1e-9   # an LP value this close to 0 or 1 is integral
+
+
 @dataclass
 class _Model:
     solver: pywraplp.Solver
@@ -121,8 +125,6 @@ def build_model(p: Problem, backend: str) -> _Model:
     if solver is None:
         raise SolverError(f"backend {backend!r} is not available in this OR-tools build")
     solver.SuppressOutput()  # HiGHS otherwise prints its banner to stdout, into the user's output
-    if backend == "highs":
-        solver.SetSolverSpecificParametersAsString("output_flag=false\nmip_heuristic_run_feasibility_jump=false\n")
     m = _Model(solver, integer=backend.startswith("cpsat"))
     finite = [np.abs(c[np.isfinite(c)]).max(initial=0.0) for c in (*p.time.values(), *p.edges.values())]
     m.scale = 2.0 ** 30 / max(max(finite, default=0.0), 1e-30)
@@ -149,6 +151,12 @@ def run_model(m: _Model, p: Problem, backend: str, seconds: float, hint: dict[in
         s.SetSolverSpecificParametersAsString(_CPSAT_PARAMS[backend] + extra)
     else:
         s.SetNumThreads(1)
+    if backend == "highs":   # pywraplp does not hand RELATIVE_MIP_GAP to HiGHS (ortools 9.15): say it here
+        s.SetSolverSpecificParametersAsString(_HIGHS_PARAMS + f"mip_rel_gap={gap!r}\n")
+        if m.x and all(len(d) for d in m.x.values()):
+            relaxed = _integral_relaxation(m, p)
+            if relaxed is not None:
+                return relaxed
     if hint is not None and backend not in ("highs", "auto", "dp"):  # SetHint crashes HiGHS 1.12
         xs = [(x, float(hint[i] == k)) for i, d in m.x.items() for k, x in d.items()]
         es = [(e, float(hint[u] == a and hint[v] == b)) for (u, v), d in m.e.items()
@@ -160,5 +168,32 @@ def run_model(m: _Model, p: Problem, backend: str, seconds: float, hint: dict[in
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         return None, "infeasible" if status == pywraplp.Solver.INFEASIBLE else "unknown", -math.inf
     choice = {i: max(d, key=lambda k: d[k].solution_value()) for i, d in m.x.items()}
-    bound = s.Objective().BestBound() / (m.scale if m.integer else 1.0) + p.time_offset
+    bound = s.Objective().BestBound() / (m.scale if m.integer else 1.0)
+    if backend == "highs":   # pywraplp reports HiGHS's objective as its bound: what the gap proves is
+        value = s.Objective().Value()   # value - bound <= gap * |value|
+        bound = min(bound, value - gap * abs(value)) if status == pywraplp.Solver.OPTIMAL else -math.inf
+    bound += p.time_offset
     return choice, "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible", bound
+
+
+def _integral_relaxation(m: _Model, p: Problem) -> tuple[dict[int, int], str, float] | None:
+    """Solve the LP relaxation (x continuous); when its optimum is integral it is the ILP's optimum
+    (the LP's value bounds every integer plan from below, and this plan attains it), found without
+    HiGHS's MIP machinery: presolve, root cuts and heuristics cost 2-15x the LP on these models even
+    when the LP is already integral, as it is without a memory row (the marginal polytope of these
+    tree-like graphs) and often with one. None (integrality restored) when some x is fractional."""
+    xs = [x for d in m.x.values() for x in d.values()]
+    for x in xs:
+        x.SetInteger(False)
+    try:
+        status = m.solver.Solve()
+        if status != pywraplp.Solver.OPTIMAL:
+            return None
+        values = {i: {k: x.solution_value() for k, x in d.items()} for i, d in m.x.items()}
+        if any(min(v, abs(1.0 - v)) > _INTEGRAL for d in values.values() for v in d.values()):
+            return None
+        choice = {i: max(d, key=d.__getitem__) for i, d in values.items()}
+        return choice, "optimal", m.solver.Objective().Value() + p.time_offset
+    finally:
+        for x in xs:
+            x.SetInteger(True)

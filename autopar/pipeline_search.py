@@ -46,6 +46,12 @@ from autopar.stages import SCHEDULES, LayerCost, mesh_factorizations
 
 DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 PROBLEMS_KEPT = 2         # SPMD Problems a Profiler keeps for re-solving under other memory rows
+# Relative gap at which the search's SPMD solves stop (the plan the search returns is solved again at
+# the planner's own gap). With a memory row, a 2-D sub-mesh's ILP (Llama-70B, dp32 x tp8, ~170k
+# variables) has a root LP 0.2-0.3% under its optimum; HiGHS spends 40-150 s CPU closing that last
+# fraction (cuts, sub-MIPs, restarts) and ~10 s stopping within 0.5%. Every candidate's step time is
+# still the exact price of the plan found; only the choice among near-equal plans may differ.
+SEARCH_GAP = 5e-3
 
 
 @dataclass(frozen=True)
@@ -172,7 +178,7 @@ class Profiler:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     sol = solve(prob.cg, dedup_layers=bool(prob.cg.layer_groups), cache=prob.solver_cache,
-                                time_limit=self.time_limit)
+                                time_limit=self.time_limit, mip_gap=SEARCH_GAP)
                 self.profiles[key] = tuple(layer_costs(prob, sol.choice, cap))
             except InfeasiblePlanError as e:
                 self.profiles[key] = e

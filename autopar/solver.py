@@ -29,6 +29,11 @@ per-node memory minima exceed the budget it goes there first), runs a Lagrangian
 feasible incumbent and a lower bound, then the ILP warm-started from the incumbent. A time limit
 never leaves it without a plan: the incumbent, the hint or the minimum-memory plan is returned.
 
+HiGHS (`autopar.ilp.run_model`) first solves the LP relaxation: an integral LP optimum is the ILP's
+optimum, taken without branching (without a memory row it is integral on every transformer graph
+measured: Llama-70B on 32 x 8, 347k variables, 22 s as a MIP, 6 s as an LP, same plan); otherwise
+the MIP runs, stopping at the relative gap `mip_gap`, whose proven bound is reported.
+
 Determinism: the DP, HiGHS/SCIP/CBC (one thread) and CP-SAT solved to optimality repeat byte for
 byte; under a time limit with deterministic=True CP-SAT runs `interleave_search` and stops on
 `max_deterministic_time` = half the remaining limit (the wall clock is only a safety net).

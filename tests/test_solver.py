@@ -285,3 +285,42 @@ def test_elimination_order_is_shared_and_refuses_large_tables():
     p = from_costgraph(random_graph(1))
     assert elimination_order({i: len(t) for i, t in p.time.items()}, p.edges, max_table=1) is None
     assert variable_elimination(p.time, p.edges, max_table=1) is None
+
+
+def test_highs_takes_an_integral_lp_optimum_and_branches_otherwise():
+    """HiGHS's model is first solved as an LP: an integral optimum is the ILP's (no branching); a
+    fractional one (a memory row cutting the LP polytope) goes to the MIP. Both equal brute force."""
+    from autopar.ilp import _integral_relaxation, build_model, run_model
+    integral = fractional = 0
+    for quantile in (None, 0.2, 0.5):
+        for seed in range(8):
+            cg = random_graph(seed, budget_quantile=quantile)
+            ref = _brute_or_none(cg)
+            if ref is None:
+                continue
+            p = from_costgraph(cg)
+            relaxed = _integral_relaxation(build_model(p, "highs"), p)
+            choice, status, bound = run_model(build_model(p, "highs"), p, "highs", math.inf, None, True, 1e-9)
+            assert status == "optimal" and p.evaluate(choice)[0] == pytest.approx(ref.time, rel=1e-6, abs=1e-9)
+            assert bound <= ref.time + 1e-9
+            if relaxed is None:
+                fractional += 1
+            else:
+                integral += 1
+                assert p.evaluate(relaxed[0])[0] == pytest.approx(ref.time, rel=1e-6, abs=1e-9), (quantile, seed)
+                assert p.budget is None or p.evaluate(relaxed[0])[1] <= p.budget * (1 + 1e-9)
+    assert integral and fractional   # both paths were taken
+
+
+@pytest.mark.parametrize("backend", ["highs", "auto"])
+def test_a_loose_gap_reports_a_valid_lower_bound(backend):
+    """Stopping within a relative gap g: the plan is within g of the optimum and the reported bound is
+    a true lower bound (pywraplp reports HiGHS's objective as its bound; the gap is what is proven)."""
+    for seed in range(10):
+        cg = random_graph(seed, budget_quantile=0.3)
+        ref = _brute_or_none(cg)
+        if ref is None:
+            continue
+        sol = solve(cg, backend=backend, mip_gap=0.2)
+        assert sol.lower_bound <= ref.time + 1e-9 <= sol.time + 2e-9, seed
+        assert sol.time <= ref.time * 1.2 + 1e-9, seed
