@@ -3,9 +3,18 @@
 A candidate is a (pp, dp, tp) mesh, a micro-batch count m and a schedule. `price` splits the unit
 profile of the micro-batch graph on the (dp, tp) sub-mesh (`pipeline_search.Profiler.layers`) into pp
 stages exactly for the schedule, under the budget (`stages.partition`). If no split fits, the SPMD plan
-is re-solved with a memory row of pp * budget, then half of that (INNER_TIGHTENING: a stage then holds
-~1/pp of the state), before the candidate is called infeasible; a row the looser plan already meets
-is not re-solved.
+is re-solved with memory rows before the candidate is called infeasible: first rows that weigh
+activations by the mean number of micro-batches a stage keeps in flight (w: GPipe m, 1F1B
+(pp + 1) / 2 for m >= pp; `stages.in_flight`),
+    Σ state + w · Σ activations <= pp · budget  (then half of pp · budget: INNER_TIGHTENING),
+what the stages hold together when the split evens out their memory, then the same rows unweighted.
+The mean overstates what an uneven split holds (it gives the stages that keep many micro-batches
+fewer units), so a weighted row that no SPMD plan meets is retried at FLOOR_SLACK times the least
+weighted memory: those plans keep the fewest activations, and often split.
+A row the looser plan already meets is not re-solved. Unweighted rows alone let the SPMD plan keep
+large activations (Llama-70B on 256 devices at 40 GB, pp 8 x dp 4 x tp 8, 1F1B, m 32: 92 GB of
+activations per micro-batch under a 160 GB row, kept up to 8 times on the first stages), so auto
+found no split where ZeRO-3 x TP did.
 Branch and bound (`branch_and_bound`) keeps the search exact while skipping SPMD solves: a candidate
 is priced only if a lower bound of its step time is within the k-th fastest found so far. The bounds
 hold for every plan of the cost model: no op or parameter on k devices costs less than 1/k of its
@@ -16,19 +25,23 @@ a spanning forest of the cost graph (`autopar.forest_bound`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from autopar.costmodel.memory import format_bytes
 from autopar.errors import InfeasiblePlanError
 from autopar.mesh import Mesh
-from autopar.stages import StageSplit, partition, step_lower_bound
+from autopar.stages import StageSplit, _chunk_in_flight, partition, step_lower_bound
 
 if TYPE_CHECKING:
     from autopar.pipeline_search import Profiler
 
 INTERLEAVE = 2            # chunks per device for interleaved_1f1b
 INNER_TIGHTENING = (1.0, 0.5)   # inner SPMD memory rows tried, as fractions of pp * budget
+FLOOR_SLACK = 1.05        # a weighted row no SPMD plan meets is retried at this times the least one
 
 @dataclass(frozen=True)
 class Candidate:
@@ -44,6 +57,7 @@ class Candidate:
     split: StageSplit | None = None
     stage_modules: tuple[tuple[str, ...], ...] = ()   # unit names per stage (chunk for interleaved)
     inner_budget: float | None = None    # the SPMD memory row the profile was solved under
+    inner_weight: float = 1.0            # ... with activations weighted by this in-flight count
     reason: str = ""
 
     def as_dict(self) -> dict:
@@ -93,23 +107,29 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
     """Candidates of one (pp, dp, tp, m) for each schedule: the loosest SPMD memory row whose split fits."""
     full = Mesh((pp, dp, tp), ("pp", "dp", "tp"), prof.hardware, prof.dpn)
     p2p = (lambda nbytes: full.collective_time("send_recv", nbytes, "pp")) if pp > 1 else (lambda nbytes: 0.0)
-    rows = [None] + ([pp * budget * f for f in INNER_TIGHTENING] if budget is not None else [])
     out = []
     for schedule in schedules:
         v = INTERLEAVE if schedule == "interleaved_1f1b" else 1
         if v > 1 and m % pp:
             continue  # interleaving needs whole rounds of pp micro-batches
-        best, least, total = None, float("inf"), None
-        for row in rows:
-            if total is not None and row is not None and total <= row:
+        best, least, held = None, float("inf"), None   # held: (state, activation) bytes of the last plan
+        rows, k = _rows(pp, m, schedule, v, budget), 0
+        while k < len(rows):
+            (row, w), k = rows[k], k + 1
+            if held is not None and row is not None and held[0] + w * held[1] <= row:
                 continue  # the looser plan already fits this row: a re-solve would return it again
             try:
-                layers = prof.layers(m, dp, tp, row, strategy)
+                layers = prof.layers(m, dp, tp, row, strategy, act_weight=w)
             except InfeasiblePlanError as e:  # no SPMD plan fits this row: a tighter one cannot either
                 if pp == 1:  # one stage: the whole graph's memory is the device's
                     least = min(least, e.min_memory_per_device or float("inf"))
-                break
-            total = sum(x.state_bytes + x.activation_bytes for x in layers)
+                if w == 1.0:
+                    break
+                floor = e.min_memory_per_device   # the least weighted memory any SPMD plan has
+                if floor is not None and math.isfinite(floor) and (floor * FLOOR_SLACK, w) not in rows:
+                    rows.insert(k, (floor * FLOOR_SLACK, w))   # the most activation-frugal plans
+                continue
+            held = (sum(x.state_bytes for x in layers), sum(x.activation_bytes for x in layers))
             if pp * v > len(layers):
                 break
             try:
@@ -118,7 +138,7 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
                 least = min(least, e.min_memory_per_device or float("inf"))
                 continue
             best = Candidate(pp, dp, tp, m, schedule, True, split.step_time, max(split.stage_memory), split,
-                             stage_modules(layers, split), row)
+                             stage_modules(layers, split), row, w)
             break
         if best is None and least < float("inf"):
             best = Candidate(pp, dp, tp, m, schedule, False, None, least,
@@ -126,6 +146,18 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
         if best is not None:
             out.append(best)
     return out
+
+
+def _rows(pp: int, m: int, schedule: str, v: int, budget: float | None) -> list[tuple[float | None, float]]:
+    """(memory row, activation weight) in the order tried: no row; then, for a pipeline, rows weighing
+    activations by the stages' mean in-flight count; then unweighted rows (INNER_TIGHTENING each)."""
+    rows = [(None, 1.0)]
+    if budget is None:
+        return rows
+    w = float(np.mean([_chunk_in_flight(schedule, pp, m, k, v) for k in range(pp * v)])) if pp > 1 else 1.0
+    for weight in dict.fromkeys((w, 1.0)):
+        rows += [(pp * budget * f, weight) for f in INNER_TIGHTENING]
+    return rows
 
 
 def stage_modules(layers, split: StageSplit) -> tuple[tuple[str, ...], ...]:

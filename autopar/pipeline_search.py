@@ -33,6 +33,7 @@ from autopar import _torch_compat as compat
 from autopar import recipes
 from autopar.canonicalize import canonicalize
 from autopar.capture import capture
+from autopar.costgraph import CostGraph, CostNode
 from autopar.costing import ProblemBuilder
 from autopar.costmodel.memory import format_bytes, optimizer_state_bytes_per_param, parse_bytes
 from autopar.errors import InfeasiblePlanError, InputError
@@ -121,6 +122,7 @@ class Profiler:
         self.floors: dict[int, tuple[float, float, int]] = {}   # (per micro-batch, per step, units)
         self.forests: dict = {}                             # the spanning forest of the last Problem bounded
         self.reshards: dict[tuple, ReshardCost] = {}        # layout pricing per sub-mesh, shared by every build
+        self.weighted: dict[tuple, tuple] = {}              # (Problem key, weight) -> (Problem, CostGraph, cache)
 
     def captured(self, m: int):
         if m not in self.captures:
@@ -165,19 +167,23 @@ class Profiler:
         inner = dp * tp if min(dp, tp) == 1 and strategy is None else (dp, tp)
         return inner, repr(sorted(strategy.items())) if strategy else None
 
-    def layers(self, m: int, dp: int, tp: int, budget: float | None, strategy=None) -> tuple[LayerCost, ...]:
+    def layers(self, m: int, dp: int, tp: int, budget: float | None, strategy=None,
+               act_weight: float = 1.0) -> tuple[LayerCost, ...]:
         """The unit profile of the micro-batch graph (batch / m) planned on the (dp, tp) sub-mesh with
         `strategy` (None: auto; else {"dp": recipe, "tp": recipe} as in autopar.plan). Raises
-        InfeasiblePlanError when the SPMD plan cannot fit the memory row `budget`."""
-        key = (m, *self._inner(dp, tp, strategy), budget)
+        InfeasiblePlanError when the SPMD plan cannot fit the memory row `budget`, in which
+        activations count `act_weight` times (micro-batches in flight, `pipeline_candidates.price`)."""
+        act_weight = act_weight if budget is not None else 1.0
+        key = (m, *self._inner(dp, tp, strategy), budget, act_weight)
         if key not in self.profiles:
             prob = self.problem(m, dp, tp, strategy)
             cap, _ = self.captured(m)
-            prob.cg.memory_budget = budget
+            cg, cache = self._weighted(prob, (m, *self._inner(dp, tp, strategy)), act_weight)
+            cg.memory_budget = budget
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    sol = solve(prob.cg, dedup_layers=bool(prob.cg.layer_groups), cache=prob.solver_cache,
+                    sol = solve(cg, dedup_layers=bool(cg.layer_groups), cache=cache,
                                 time_limit=self.time_limit, mip_gap=SEARCH_GAP)
                 self.profiles[key] = tuple(layer_costs(prob, sol.choice, cap))
             except InfeasiblePlanError as e:
@@ -186,6 +192,23 @@ class Profiler:
         if isinstance(found, InfeasiblePlanError):
             raise found
         return found
+
+    def _weighted(self, prob, key: tuple, w: float):
+        """(cost graph, solver cache) of `prob` with each node's activation bytes counted w times (the
+        same graph and cache for w = 1); kept while the Problem is (a cache per weight: the layer
+        quotient and the least-memory relaxation depend on the memory vector)."""
+        if w == 1.0:
+            return prob.cg, prob.solver_cache
+        found = self.weighted.get((key, w))
+        if found is None or found[0] is not prob:
+            nodes = []
+            for nd, mem in zip(prob.cg.nodes, prob.memory):
+                assert len(mem["activations"]) == len(nd.memory), "cost-graph node and Problem memory disagree"
+                nodes.append(CostNode(nd.name, nd.time, np.asarray(nd.memory) + (w - 1.0) * mem["activations"]))
+            cg = CostGraph(nodes, prob.cg.edges, None, prob.cg.memory_offset, prob.cg.layer_groups)
+            self.weighted = {k: v for k, v in self.weighted.items() if any(v[0] is p for p in self.problems.values())}
+            found = self.weighted[key, w] = (prob, cg, {})
+        return found[1], found[2]
 
     def forest_bound(self, m: int, dp: int, tp: int, strategy, pp: int, schedule: str) -> float:
         """`stages.step_lower_bound`'s objective f * (per micro-batch) + (per step) / pp, bounded from below
@@ -276,7 +299,8 @@ def search(model, example_inputs, *, mesh: Mesh, memory_budget=None, schedules=D
     sub = prof.sub_mesh(best.dp, best.tp)
     full = Mesh((best.pp, *sub.shape), ("pp", *sub.axis_names), mesh.hardware, mesh.devices_per_node)
     return SearchResult(best, tuple(found), full, sub,
-                        prof.layers(best.num_microbatches, best.dp, best.tp, best.inner_budget, strategy), cap, inputs)
+                        prof.layers(best.num_microbatches, best.dp, best.tp, best.inner_budget, strategy,
+                                    best.inner_weight), cap, inputs)
 
 
 def state_floor(model, world: int, optimizer: str = "adamw") -> float:

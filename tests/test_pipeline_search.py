@@ -206,3 +206,48 @@ def test_profiler_graphs_and_problems_equal_a_plain_capture_and_build():
                 assert (a.src, a.dst) == (b.src, b.dst)
                 np.testing.assert_array_equal(a.time, b.time)
     assert len(prof.reshards) == 1
+
+
+
+class _TradeOffProfiler:
+    """A stand-in Profiler over SPMD plans of `units` alike units, each plan (state GB, activation GB,
+    seconds) per unit: `layers` returns the fastest plan whose state + w * activations meets the
+    row, and raises with the least weighted memory when none does, as the solver would."""
+
+    def __init__(self, plans: dict, units: int):
+        from autopar.costmodel.hardware import get_hardware
+        self.hardware, self.dpn, self.plans, self.units, self.rows = get_hardware("h100"), 8, plans, units, []
+
+    def layers(self, m, dp, tp, row, strategy=None, act_weight=1.0):
+        from autopar.errors import InfeasiblePlanError
+        from autopar.stages import LayerCost
+        self.rows.append((row, act_weight))
+        weighted = {k: self.units * 1e9 * (s + act_weight * a) for k, (s, a, _) in self.plans.items()}
+        fits = [k for k in self.plans if row is None or weighted[k] <= row]
+        if not fits:
+            raise InfeasiblePlanError("no plan fits the row", min_memory_per_device=min(weighted.values()), budget=row)
+        s, a, t = self.plans[min(fits, key=lambda k: self.plans[k][2])]
+        return [LayerCost(f"h.{i}", t, 2 * t, s * 1e9, a * 1e9, 0.0) for i in range(self.units)]
+
+
+def test_price_weighs_activations_by_micro_batches_in_flight():
+    """pp 2, 1F1B, m 4 (the first stage keeps 2 micro-batches, the second 1: w = 1.5), 20 GB per
+    device, 8 units. "fast" meets the unweighted 40 GB row (8 x 5) but needs 27 GB on a stage; the
+    weighted row picks "mid" (8 x 4.75 = 38 GB), which splits (18 GB), before any unweighted row."""
+    from autopar.pipeline_candidates import price
+    prof = _TradeOffProfiler({"fast": (1.0, 4.0, 1.0), "mid": (1.0, 2.5, 1.2), "lean": (1.0, 1.0, 1.5)}, 8)
+    [c] = price(prof, 2, 1, 1, 4, ("1f1b",), 20e9)
+    assert c.feasible and c.inner_weight == 1.5 and max(c.split.stage_memory) <= 20e9, c
+    assert c.step_time < price(_TradeOffProfiler({"lean": (1.0, 1.0, 1.5)}, 8), 2, 1, 1, 4, ("1f1b",), 20e9)[0].step_time
+    assert [w for row, w in prof.rows if row is not None] == [1.5]
+
+
+def test_price_retries_a_weighted_row_above_its_floor():
+    """12 units, activations only: the least weighted memory (w 1.5) is 18 GB, over the 16 GB row of
+    2 x 8 GB; the split that gives the first stage (2 micro-batches in flight) 4 units and the second
+    8 holds 8 GB on each, so the row is retried at FLOOR_SLACK x 18 GB, and that plan splits."""
+    from autopar.pipeline_candidates import FLOOR_SLACK, price
+    prof = _TradeOffProfiler({"fast": (0.0, 3.0, 1.0), "mid": (0.0, 2.0, 1.2), "lean": (0.0, 1.0, 1.5)}, 12)
+    [c] = price(prof, 2, 1, 1, 4, ("1f1b",), 8e9)
+    assert c.feasible and c.inner_weight == 1.5 and c.inner_budget == pytest.approx(18e9 * FLOOR_SLACK), c
+    assert max(c.split.stage_memory) <= 8e9 and list(c.split.bounds) == [0, 4]
