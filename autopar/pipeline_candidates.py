@@ -7,7 +7,8 @@ is re-solved with memory rows before the candidate is called infeasible: first r
 activations by the mean number of micro-batches a stage keeps in flight (w: GPipe m, 1F1B
 (pp + 1) / 2 for m >= pp; `stages.in_flight`),
     Σ state + w · Σ activations <= pp · budget  (then half of pp · budget: INNER_TIGHTENING),
-what the stages hold together when the split evens out their memory, then the same rows unweighted.
+what the stages hold together when the split evens out their memory (tried after the loosest
+unweighted row and before the tighter one).
 The mean overstates what an uneven split holds (it gives the stages that keep many micro-batches
 fewer units), so a weighted row that no SPMD plan meets is retried at FLOOR_SLACK times the least
 weighted memory: those plans keep the fewest activations, and often split.
@@ -123,7 +124,7 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
             except InfeasiblePlanError as e:  # no SPMD plan fits this row: a tighter one cannot either
                 if pp == 1:  # one stage: the whole graph's memory is the device's
                     least = min(least, e.min_memory_per_device or float("inf"))
-                if w == 1.0:
+                if w == 1.0 and row != rows[1][0]:
                     break
                 floor = e.min_memory_per_device   # the least weighted memory any SPMD plan has
                 if floor is not None and math.isfinite(floor) and (floor * FLOOR_SLACK, w) not in rows:
@@ -149,15 +150,16 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
 
 
 def _rows(pp: int, m: int, schedule: str, v: int, budget: float | None) -> list[tuple[float | None, float]]:
-    """(memory row, activation weight) in the order tried: no row; then, for a pipeline, rows weighing
-    activations by the stages' mean in-flight count; then unweighted rows (INNER_TIGHTENING each)."""
+    """(memory row, activation weight) in the order tried: no row, the loosest unweighted row (so a
+    candidate that split there before still does, with the same plan), then for a pipeline the rows
+    weighing activations by the stages' mean in-flight count, then the tighter unweighted rows."""
     rows = [(None, 1.0)]
     if budget is None:
         return rows
     w = float(np.mean([_chunk_in_flight(schedule, pp, m, k, v) for k in range(pp * v)])) if pp > 1 else 1.0
-    for weight in dict.fromkeys((w, 1.0)):
-        rows += [(pp * budget * f, weight) for f in INNER_TIGHTENING]
-    return rows
+    unweighted = [(pp * budget * f, 1.0) for f in INNER_TIGHTENING]
+    weighted = [(pp * budget * f, w) for f in INNER_TIGHTENING] if w != 1.0 else []
+    return rows + unweighted[:1] + weighted + unweighted[1:]
 
 
 def stage_modules(layers, split: StageSplit) -> tuple[tuple[str, ...], ...]:

@@ -243,11 +243,12 @@ def test_price_weighs_activations_by_micro_batches_in_flight():
 
 
 def test_price_retries_a_weighted_row_above_its_floor():
-    """12 units, activations only: the least weighted memory (w 1.5) is 18 GB, over the 16 GB row of
-    2 x 8 GB; the split that gives the first stage (2 micro-batches in flight) 4 units and the second
-    8 holds 8 GB on each, so the row is retried at FLOOR_SLACK x 18 GB, and that plan splits."""
+    """12 units, activations only, 8 GB per device: the unweighted 16 GB row picks "wide" (12 x 1.3 GB),
+    which needs 10.4 GB on a stage; no plan meets the weighted row (least: "lean", 12 x 1.5 = 18 GB),
+    but the split that gives the first stage (2 micro-batches in flight) 4 units and the second 8
+    holds 8 GB on each, so the row is retried at FLOOR_SLACK x 18 GB, and that plan splits."""
     from autopar.pipeline_candidates import FLOOR_SLACK, price
-    prof = _TradeOffProfiler({"fast": (0.0, 3.0, 1.0), "mid": (0.0, 2.0, 1.2), "lean": (0.0, 1.0, 1.5)}, 12)
+    prof = _TradeOffProfiler({"fast": (0.0, 3.0, 1.0), "wide": (0.0, 1.3, 1.3), "lean": (0.0, 1.0, 1.5)}, 12)
     [c] = price(prof, 2, 1, 1, 4, ("1f1b",), 8e9)
     assert c.feasible and c.inner_weight == 1.5 and c.inner_budget == pytest.approx(18e9 * FLOOR_SLACK), c
     assert max(c.split.stage_memory) <= 8e9 and list(c.split.bounds) == [0, 4]
