@@ -124,10 +124,9 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
             except InfeasiblePlanError as e:  # no SPMD plan fits this row: a tighter one cannot either
                 if pp == 1:  # one stage: the whole graph's memory is the device's
                     least = min(least, e.min_memory_per_device or float("inf"))
-                if w == 1.0 and row != rows[1][0]:
-                    break
+                rows[k:] = [r for r in rows[k:] if r[1] != w]   # drop this weight's tighter rows
                 floor = e.min_memory_per_device   # the least weighted memory any SPMD plan has
-                if floor is not None and math.isfinite(floor) and (floor * FLOOR_SLACK, w) not in rows:
+                if w != 1.0 and floor is not None and math.isfinite(floor) and (floor * FLOOR_SLACK, w) not in rows:
                     rows.insert(k, (floor * FLOOR_SLACK, w))   # the most activation-frugal plans
                 continue
             held = (sum(x.state_bytes for x in layers), sum(x.activation_bytes for x in layers))
