@@ -11,6 +11,12 @@ the slowest rank's (all_reduce MAX), and the table shows the median over all tim
 time and of CPU time (process time: on an oversubscribed machine wall time mostly measures the other
 jobs, CPU time only this step's own work; a rank waiting in a collective sleeps).
 
+autopar plans for this machine as measured by `autopar calibrate` in the same job (`--hardware`
+calibrate, the default; a preset name such as `cpu` or a saved profile instead): the choice of plan
+("auto") and the "predicted" column come from that profile. Under the uncalibrated `cpu` preset auto
+picks ZeRO-1 over dp (the preset prices an all-gather plus a reduce-scatter like one all-reduce), which
+gloo here runs 5-10% slower.
+
 Variants (same seeded GPT, same global batch):
   autopar dp / zero3 / tp / auto   `autoparallelize(model, (x, y), strategy=...)`; every rank passes
                                    the global batch, the plan keeps each rank's slice.
@@ -42,6 +48,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from autopar.calibrate import calibrate, size_range  # noqa: E402
+from autopar.mesh import Mesh  # noqa: E402
 from autopar.runtime import autoparallelize  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -128,11 +136,13 @@ class Variant:
         return loss
 
 
-def make_variants(model: GPT, example, world: int, rank: int, which: list[str], foreach=None) -> list[Variant]:
+def make_variants(model: GPT, example, world: int, rank: int, which: list[str], foreach=None,
+                  hardware="cpu") -> list[Variant]:
     out = []
+    mesh = Mesh((world,), hardware=hardware)
     for strategy in [s for s in AUTOPAR if s in which]:
         t0 = time.perf_counter()
-        pmodel = autoparallelize(copy.deepcopy(model), example, strategy=strategy)
+        pmodel = autoparallelize(copy.deepcopy(model), example, mesh=mesh, strategy=strategy)
         v = Variant(f"autopar {strategy}", strategy, pmodel, lambda x, y, m=pmodel: m.train_step(x, y).item(),
                     foreach=foreach)
         v.setup_s = time.perf_counter() - t0
@@ -292,11 +302,20 @@ def main(argv=None) -> None:
                    help="AdamW(foreach=...) for every variant: torch's default on CPU is the per-parameter "
                         "loop, where each op on a DTensor parameter (autopar, FSDP2, TP) pays DTensor dispatch; "
                         "'on' is what torchtitan uses")
+    p.add_argument("--hardware", default="calibrate",
+                   help="what autopar plans for: 'calibrate' (default: `autopar calibrate`'s measurements, taken in "
+                        "this job before building, ~15 s), a preset name (e.g. cpu) or a saved profile (JSON)")
     p.add_argument("--profile", default=None, help="profile 3 steps of these variants, e.g. dp,DDP: time by category, then by op")
     args = p.parse_args(argv)
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    hardware = args.hardware
+    if hardware == "calibrate":
+        cal = calibrate(sizes=size_range("1K", "16M"), progress=lambda msg: None)
+        hardware = cal.spec
+        if rank == 0:
+            print(cal.summary(), flush=True)
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=args.vocab, block_size=args.block, n_layer=args.layers, n_head=args.heads,
                        n_embd=args.embd)
@@ -305,7 +324,7 @@ def main(argv=None) -> None:
     batches = [(torch.randint(0, args.vocab, (args.batch, args.block), generator=gen),
                 torch.randint(0, args.vocab, (args.batch, args.block), generator=gen)) for _ in range(4)]
     variants = make_variants(model, batches[0], world, rank, args.only.split(","),
-                             foreach=True if args.foreach == "on" else None)
+                             foreach=True if args.foreach == "on" else None, hardware=hardware)
     if rank == 0:
         print(f"world {world}, threads/rank {torch.get_num_threads()}, GPT {args.layers}L {args.embd}d "
               f"{args.heads}h vocab {args.vocab}, batch {args.batch}x{args.block}, "
@@ -322,7 +341,7 @@ def main(argv=None) -> None:
         print(f"load average (1, 5, 15 min) at the start: {load0}, at the end: {os.getloadavg()}")
         print("median s: slowest rank, barrier to barrier; cpu s: median CPU time of the slowest rank (what "
               "to compare on a loaded machine); optim: rank 0's AdamW step alone; predicted: the plan's "
-              "cost-model estimate")
+              f"cost-model estimate ({hardware if isinstance(hardware, str) else hardware.name})")
         print("first timed loss on rank 0 (same init and batches; DDP/FSDP2: rank 0's half of the batch):",
               {v.name: round(v.losses[0], 4) for v in variants})
     for name in filter(None, (args.profile or "").split(",")):
