@@ -11,7 +11,10 @@ what the stages hold together when the split evens out their memory (tried after
 unweighted row and before the tighter one).
 The mean overstates what an uneven split holds (it gives the stages that keep many micro-batches
 fewer units), so a weighted row that no SPMD plan meets is retried at FLOOR_SLACK times the least
-weighted memory: those plans keep the fewest activations, and often split.
+weighted memory: those plans keep the fewest activations, and often split. Not where no split can
+fit: the stages together hold at least Σ state + c · Σ activations >= (c / w) · (least weighted
+memory) for c the fewest micro-batches any stage keeps, which must not exceed pp * budget (GPipe,
+where every stage keeps m = w, is thus never retried).
 A row the looser plan already meets is not re-solved. Unweighted rows alone let the SPMD plan keep
 large activations (Llama-70B on 256 devices at 40 GB, pp 8 x dp 4 x tp 8, 1F1B, m 32: 92 GB of
 activations per micro-batch under a 160 GB row, kept up to 8 times on the first stages), so auto
@@ -35,7 +38,7 @@ import numpy as np
 from autopar.costmodel.memory import format_bytes
 from autopar.errors import InfeasiblePlanError
 from autopar.mesh import Mesh
-from autopar.stages import StageSplit, _chunk_in_flight, partition, step_lower_bound
+from autopar.stages import StageSplit, chunk_in_flight, partition, step_lower_bound
 
 if TYPE_CHECKING:
     from autopar.pipeline_search import Profiler
@@ -115,6 +118,7 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
             continue  # interleaving needs whole rounds of pp micro-batches
         best, least, held = None, float("inf"), None   # held: (state, activation) bytes of the last plan
         rows, k = _rows(pp, m, schedule, v, budget), 0
+        fewest = min(chunk_in_flight(schedule, pp, m, c, v) for c in range(pp * v))
         while k < len(rows):
             (row, w), k = rows[k], k + 1
             if held is not None and row is not None and held[0] + w * held[1] <= row:
@@ -126,7 +130,8 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
                     least = min(least, e.min_memory_per_device or float("inf"))
                 rows[k:] = [r for r in rows[k:] if r[1] != w]   # drop this weight's tighter rows
                 floor = e.min_memory_per_device   # the least weighted memory any SPMD plan has
-                if w != 1.0 and floor is not None and math.isfinite(floor) and (floor * FLOOR_SLACK, w) not in rows:
+                if (w != 1.0 and floor is not None and math.isfinite(floor) and (floor * FLOOR_SLACK, w) not in rows
+                        and floor * fewest / w <= pp * budget):
                     rows.insert(k, (floor * FLOOR_SLACK, w))   # the most activation-frugal plans
                 continue
             held = (sum(x.state_bytes for x in layers), sum(x.activation_bytes for x in layers))
@@ -155,7 +160,7 @@ def _rows(pp: int, m: int, schedule: str, v: int, budget: float | None) -> list[
     rows = [(None, 1.0)]
     if budget is None:
         return rows
-    w = float(np.mean([_chunk_in_flight(schedule, pp, m, k, v) for k in range(pp * v)])) if pp > 1 else 1.0
+    w = float(np.mean([chunk_in_flight(schedule, pp, m, k, v) for k in range(pp * v)])) if pp > 1 else 1.0
     unweighted = [(pp * budget * f, 1.0) for f in INNER_TIGHTENING]
     weighted = [(pp * budget * f, w) for f in INNER_TIGHTENING] if w != 1.0 else []
     return rows + unweighted[:1] + weighted + unweighted[1:]

@@ -200,7 +200,7 @@ def partition(layers: Sequence[LayerCost], p: int, m: int, schedule: str, *, p2p
     if chunks > n:
         raise InputError(f"{chunks} stages for {n} layers: every stage needs at least one layer")
     T = stage_time_matrix(layers, p2p_time)
-    counts = [_chunk_in_flight(schedule, p, m, k, vv) for k in range(chunks)]
+    counts = [chunk_in_flight(schedule, p, m, k, vv) for k in range(chunks)]
     mem = _stage_memory(layers, counts)
     budget = np.inf if memory_budget is None else float(memory_budget)
     masks = [mem[c] <= budget / vv for c in counts]
@@ -235,7 +235,7 @@ def _first_feasible(T: np.ndarray, masks: list[np.ndarray], values: np.ndarray) 
     return lo
 
 
-def _chunk_in_flight(schedule: str, p: int, m: int, chunk: int, v: int) -> float:
+def chunk_in_flight(schedule: str, p: int, m: int, chunk: int, v: int) -> float:
     """In-flight micro-batches of chunk `chunk` (its stage's count; interleaved spreads a device's
     chunk-micro-batches over its v chunks)."""
     if schedule != "interleaved_1f1b":
