@@ -14,7 +14,8 @@ fewer units), so a weighted row that no SPMD plan meets is retried at FLOOR_SLAC
 weighted memory: those plans keep the fewest activations, and often split. Not where no split can
 fit: the stages together hold at least Σ state + c · Σ activations >= (c / w) · (least weighted
 memory) for c the fewest micro-batches any stage keeps, which must not exceed pp * budget (GPipe,
-where every stage keeps m = w, is thus never retried).
+where every stage keeps m = w, is thus never retried). When no plan meets the loosest unweighted row,
+pp * budget, no split fits at all (every stage keeps at least one micro-batch): the candidate stops.
 A row the looser plan already meets is not re-solved. Unweighted rows alone let the SPMD plan keep
 large activations (Llama-70B on 256 devices at 40 GB, pp 8 x dp 4 x tp 8, 1F1B, m 32: 92 GB of
 activations per micro-batch under a 160 GB row, kept up to 8 times on the first stages), so auto
@@ -128,6 +129,8 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
             except InfeasiblePlanError as e:  # no SPMD plan fits this row: a tighter one cannot either
                 if pp == 1:  # one stage: the whole graph's memory is the device's
                     least = min(least, e.min_memory_per_device or float("inf"))
+                if w == 1.0 and row == pp * budget:
+                    break   # every stage keeps >= 1 micro-batch: no split of any plan holds less than this row
                 rows[k:] = [r for r in rows[k:] if r[1] != w]   # drop this weight's tighter rows
                 floor = e.min_memory_per_device   # the least weighted memory any SPMD plan has
                 if (w != 1.0 and floor is not None and math.isfinite(floor) and (floor * FLOOR_SLACK, w) not in rows
@@ -156,10 +159,14 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
 def _rows(pp: int, m: int, schedule: str, v: int, budget: float | None) -> list[tuple[float | None, float]]:
     """(memory row, activation weight) in the order tried: no row, the loosest unweighted row (so a
     candidate that split there before still does, with the same plan), then for a pipeline the rows
-    weighing activations by the stages' mean in-flight count, then the tighter unweighted rows."""
+    weighing activations by the stages' mean in-flight count, then the tighter unweighted rows. One
+    stage starts at the budget itself: the solver returns the fastest plan when it fits (the same
+    one, at the same cost), and when no plan fits it says so without solving for the fastest."""
     rows = [(None, 1.0)]
     if budget is None:
         return rows
+    if pp == 1:   # one stage fits iff its plan meets the row; the fastest plan is tried first when it does
+        return [(budget * f, 1.0) for f in INNER_TIGHTENING]
     w = float(np.mean([chunk_in_flight(schedule, pp, m, k, v) for k in range(pp * v)])) if pp > 1 else 1.0
     unweighted = [(pp * budget * f, 1.0) for f in INNER_TIGHTENING]
     weighted = [(pp * budget * f, w) for f in INNER_TIGHTENING] if w != 1.0 else []

@@ -254,15 +254,15 @@ def test_price_retries_a_weighted_row_above_its_floor():
     assert max(c.split.stage_memory) <= 8e9 and list(c.split.bounds) == [0, 4]
 
 
-@pytest.mark.parametrize("schedule, budget", [("gpipe", 8e9), ("1f1b", 5e9)])
-def test_price_skips_the_floor_retry_where_no_split_can_fit(schedule, budget):
+@pytest.mark.parametrize("schedule, budget, weighted", [("gpipe", 8e9, [(16e9, 4.0)]), ("1f1b", 5e9, [])])
+def test_price_stops_where_no_split_can_fit(schedule, budget, weighted):
     """The plans of the test above. GPipe keeps m = 4 micro-batches on every stage (w = 4): the least
     weighted memory, 12 x 4 GB = 48 GB, exceeds pp x budget = 16 GB, so no split fits and the row is
-    not retried. 1F1B at 5 GB: the stages hold at least 1 / 1.5 of the least weighted 18 GB (the last
-    stage keeps one micro-batch), 12 GB > 10 GB: no retry either. Both candidates are infeasible."""
+    not retried at its floor. 1F1B at 5 GB: no plan meets even the unweighted 10 GB row (least: 12 x
+    1 GB), and every stage keeps at least one micro-batch, so no weighted row is tried. Both
+    candidates are infeasible."""
     from autopar.pipeline_candidates import price
     prof = _TradeOffProfiler({"fast": (0.0, 3.0, 1.0), "wide": (0.0, 1.3, 1.3), "lean": (0.0, 1.0, 1.5)}, 12)
     [c] = price(prof, 2, 1, 1, 4, (schedule,), budget)
     assert not c.feasible
-    weights = {w for row, w in prof.rows if row is not None and w != 1.0}
-    assert len(weights) == 1 and len([row for row, w in prof.rows if w in weights]) == 1, prof.rows  # no retry
+    assert [r for r in prof.rows if r[1] != 1.0] == weighted, prof.rows
