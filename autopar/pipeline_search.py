@@ -213,7 +213,8 @@ class Profiler:
     def forest_bound(self, m: int, dp: int, tp: int, strategy, pp: int, schedule: str) -> float:
         """`stages.step_lower_bound`'s objective f * (per micro-batch) + (per step) / pp, bounded from below
         by the spanning-forest relaxation of the (m, dp, tp) Problem (`autopar.forest_bound`): op nodes
-        and data edges weigh f, parameters and gradient edges 1 / pp (as `layer_costs` files them)."""
+        and data edges weigh f, parameters and gradient edges 1 / pp (`layer_costs` files a gradient's
+        all-reduce per step, its ZeRO reduce-scatter per micro-batch: 1 / pp <= f bounds both)."""
         prob = self.problem(m, dp, tp, strategy)
         key = (m, *self._inner(dp, tp, strategy))
         if self.forests.get("key") != key:

@@ -3,6 +3,7 @@
     python benchmarks/plan_quality.py --quick                  # a few small rows
     python benchmarks/plan_quality.py                          # every model x devices x budget
     python benchmarks/plan_quality.py --model llama-70b --devices 64
+    python benchmarks/plan_quality.py --model llama-70b --devices 256 --budget 40GB
 
 Models (meta device, no weights): GPT-2 124M / 350M / 1.5B (seq 1024) and Llama 7B / 13B / 70B
 (seq 4096), global batch = one sequence per device; H100s, 8 per node; budgets 80 GB and 40 GB.
@@ -129,6 +130,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help=f"only {QUICK}, both budgets")
     ap.add_argument("--model", action="append")
     ap.add_argument("--devices", type=int, action="append")
+    ap.add_argument("--budget", action="append", help=f"memory budget per device (default: {', '.join(BUDGETS)}); "
+                    "the first budget's auto search is the cold one")
     args = ap.parse_args()
     names = args.model or ["gpt2-124m", "gpt2-350m", "gpt2-1.5b", "llama-7b", "llama-13b", "llama-70b"]
     cases = QUICK if args.quick else [(m, n) for m in names for n in (args.devices or DEVICES)]
@@ -138,7 +141,7 @@ def main() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name, n in cases:
-            rows += run(name, n)
+            rows += run(name, n, tuple(args.budget or BUDGETS))
     both = [r for r in rows if r["auto"] and r["hand"]]
     at_most = sum(r["auto"].step_time <= r["hand"].step_time * (1 + 1e-9) for r in both)
     better = sum(r["auto"].step_time <= 0.9 * r["hand"].step_time for r in both)
