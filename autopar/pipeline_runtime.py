@@ -266,7 +266,12 @@ class PipelinedModule(nn.Module):
 
     def train_step(self, *inputs, **kwargs) -> torch.Tensor:
         """Forward and backward of every micro-batch: returns the mean loss (same on every rank);
-        gradients (micro-batch mean, shared parameters summed across their stages) are left in p.grad."""
+        gradients (micro-batch mean, shared parameters summed across their stages) are added to p.grad,
+        as `loss.backward()` adds them (call `optimizer.zero_grad()` between steps unless accumulating)."""
+        earlier = {}   # gradients of earlier calls: the schedule sums micro-batches into p.grad, then scales
+        for name, param in self.named_parameters():
+            if param.grad is not None:
+                earlier[name], param.grad = param.grad, None
         loss = self._run(inputs, kwargs, train=True)
         for param in self.parameters():
             if param.grad is not None:
@@ -275,6 +280,9 @@ class PipelinedModule(nn.Module):
             grad = self.get_parameter(name).grad
             if grad is not None:
                 dist.all_reduce(grad.to_local(), group=group)
+        for name, grad in earlier.items():
+            param = self.get_parameter(name)
+            param.grad = grad if param.grad is None else grad.add_(param.grad)
         return loss
 
     def _reduce_deferred(self) -> None:

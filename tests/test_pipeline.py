@@ -245,6 +245,40 @@ def test_pp2_matches_single_process(name):
         assert {"transformer.h.0", "transformer.h.2"} <= {u for st in plan.stages[0::2] for u in st.modules}
 
 
+def accumulate_pipelined(rank, world, model, batches):
+    """Two train_step calls with no zero_grad between them: the losses and the gradients left."""
+    from autopar.runtime import autoparallelize
+    args, kwargs = batches[0]
+    pmodel = autoparallelize(copy.deepcopy(model), tuple(args) + ((kwargs,) if kwargs else ()), num_stages=2,
+                             schedule="1f1b", num_microbatches=2, baselines=False)
+    losses = [pmodel.train_step(*a, **k).item() for a, k in batches[:2]]
+    grads = {n: p.grad.full_tensor() for n, p in pmodel.named_parameters() if p.grad is not None}
+    return losses, grads
+
+
+def test_pipelined_train_step_adds_to_earlier_gradients():
+    """Like loss.backward(), train_step adds its gradients to those already in p.grad: two calls without
+    zero_grad leave the sum of both batches' gradients on every stage (the tied embedding too)."""
+    case = models.tiny_gpt(batch=4, seq=16)
+    batches = models.zoo_batches(case, 2)
+    ref = copy.deepcopy(case.model)
+    want = []
+    for args, kwargs in batches:
+        loss = ref(*args, **kwargs)
+        loss = loss if isinstance(loss, torch.Tensor) else loss.loss
+        loss.backward()
+        want.append(loss.item())
+    results = run_distributed(accumulate_pipelined, 2, case.model, batches, timeout=600)
+    names = set()
+    for losses, grads in results:
+        assert losses == pytest.approx(want, rel=1e-4, abs=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, ref.get_parameter(name).grad, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"{name}: {m}")
+        names |= set(grads)
+    assert names == {n for n, _ in case.model.named_parameters()}
+
+
 def test_pp2_with_dp_and_tp_matches_single_process():
     """World 4: pp=2 x dp=2 (GPipe, and interleaved 1F1B: 4 one-unit chunks) and pp=2 x tp=2 (1F1B) on
     the tied GPT; the stage programs leave the gradient all-reduces to the runtime (once per step)."""
