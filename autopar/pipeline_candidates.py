@@ -167,7 +167,7 @@ def _rows(pp: int, m: int, schedule: str, v: int, budget: float | None) -> list[
         return rows
     if pp == 1:   # one stage fits iff its plan meets the row; the fastest plan is tried first when it does
         return [(budget * f, 1.0) for f in INNER_TIGHTENING]
-    w = float(np.mean([chunk_in_flight(schedule, pp, m, k, v) for k in range(pp * v)])) if pp > 1 else 1.0
+    w = float(np.mean([chunk_in_flight(schedule, pp, m, k, v) for k in range(pp * v)]))
     unweighted = [(pp * budget * f, 1.0) for f in INNER_TIGHTENING]
     weighted = [(pp * budget * f, w) for f in INNER_TIGHTENING] if w != 1.0 else []
     return rows + unweighted[:1] + weighted + unweighted[1:]
