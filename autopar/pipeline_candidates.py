@@ -118,8 +118,8 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
         if v > 1 and m % pp:
             continue  # interleaving needs whole rounds of pp micro-batches
         best, least, held = None, float("inf"), None   # held: (state, activation) bytes of the last plan
-        rows, k = _rows(pp, m, schedule, v, budget), 0
-        fewest = min(chunk_in_flight(schedule, pp, m, c, v) for c in range(pp * v))
+        counts = [chunk_in_flight(schedule, pp, m, c, v) for c in range(pp * v)]   # micro-batches each chunk keeps
+        rows, k, fewest = _rows(pp, counts, budget), 0, min(counts)
         while k < len(rows):
             (row, w), k = rows[k], k + 1
             if held is not None and row is not None and held[0] + w * held[1] <= row:
@@ -156,7 +156,7 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
     return out
 
 
-def _rows(pp: int, m: int, schedule: str, v: int, budget: float | None) -> list[tuple[float | None, float]]:
+def _rows(pp: int, counts: list[float], budget: float | None) -> list[tuple[float | None, float]]:
     """(memory row, activation weight) in the order tried: no row, the loosest unweighted row (so a
     candidate that split there before still does, with the same plan), then for a pipeline the rows
     weighing activations by the stages' mean in-flight count, then the tighter unweighted rows. One
@@ -167,7 +167,7 @@ def _rows(pp: int, m: int, schedule: str, v: int, budget: float | None) -> list[
         return rows
     if pp == 1:   # one stage fits iff its plan meets the row; the fastest plan is tried first when it does
         return [(budget * f, 1.0) for f in INNER_TIGHTENING]
-    w = float(np.mean([chunk_in_flight(schedule, pp, m, k, v) for k in range(pp * v)]))
+    w = float(np.mean(counts))
     unweighted = [(pp * budget * f, 1.0) for f in INNER_TIGHTENING]
     weighted = [(pp * budget * f, w) for f in INNER_TIGHTENING] if w != 1.0 else []
     return rows + unweighted[:1] + weighted + unweighted[1:]
