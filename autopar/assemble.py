@@ -28,9 +28,10 @@ def collectives(prob: Problem, choice: np.ndarray, captured) -> list[CollectiveR
     rs = prob.reshard
     records = []
 
-    def add(steps, phase, source, module, reason, bucketed):
+    def add(steps, phase, source, module, reason, bucketed, sync_share=1.0):
         for st in steps:
-            records.append(CollectiveRecord(st.kind, names[st.axis], st.nbytes, rs.step_time(st, bucketed),
+            records.append(CollectiveRecord(st.kind, names[st.axis], st.nbytes,
+                                            rs.step_time(st, bucketed, sync_share=sync_share),
                                             phase, source, module, reason))
 
     for i, node in enumerate(prob.nodes):  # zero1/2 gathers of the master, once per step
@@ -48,7 +49,7 @@ def collectives(prob: Problem, choice: np.ndarray, captured) -> list[CollectiveR
             a, b = src_s.outs[e.out], dst_s.ins[e.pos]
             reason = f"{_spec_text(a)}->{_spec_text(b)} for {dst_node.target}"
             add(rs.steps(a, b, e.nbytes), dst_node.meta.get("phase", "forward"), src_node.name, _module(dst_node),
-                reason, False)
+                reason, False, e.sync_share)
     for i, node in enumerate(prob.nodes):  # collectives inside an op (MoE expert dispatch)
         if node.target in IN_OP_COLLECTIVES:
             steps = in_op_collectives(node, prob.strategies[i][choice[i]], prob.reshard.axis_sizes)

@@ -22,6 +22,11 @@ a pause runs faster than a step that keeps the core busy. The per-parameter work
 (zero_grad, `to_local()`, the gradient's DTensor wrapping, AdamW's step) is timed on K tiny
 DTensor parameters (what `ParallelModule` hands torch.optim) for several K; the slope of t(K) is
 `param_step_overhead`, the seconds each parameter tensor adds beyond its bytes.
+The collectives above run back to back, the ranks in lockstep; in a step the ranks reach a blocking
+collective from compute. `sync_latency` is the difference: ~10 ms of matmuls then a 4-byte
+all_reduce, against the same matmuls alone and the all_reduce back to back (CPU/gloo: ~1 ms, the
+communication threads of ranks that were computing have to be woken; with NCCL the wait is queued on
+the device and costs nothing extra).
 The result is a `HardwareSpec`; `HardwareSpec.save` writes the JSON that `Mesh(hardware=path)` reads.
 """
 from __future__ import annotations
@@ -64,6 +69,7 @@ class Calibration:
     param_step_overhead: float = 0.0   # seconds per DTensor parameter tensor per step (fitted slope)
     transcendental_rate: float = 0.0   # elements/s of exp, tanh and gelu (median)
     attention_backward_flops: float = 0.0   # achieved FLOP/s of its backward
+    sync_latency: float = 0.0  # seconds a blocking collective adds after compute (median excess)
 
     def summary(self) -> str:
         """A short table of the fitted links and compute figures."""
@@ -76,7 +82,8 @@ class Calibration:
                  f" pointwise "
                  f"{format_bytes(self.mem_bandwidth)}/s, exp/tanh/gelu {self.transcendental_rate / 1e6:.0f} M elements/s, "
                  f"op overhead {format_seconds(self.op_overhead)}, "
-                 f"{format_seconds(self.param_step_overhead)} per parameter tensor per step"]
+                 f"{format_seconds(self.param_step_overhead)} per parameter tensor per step, "
+                 f"{format_seconds(self.sync_latency)} per collective reached from compute"]
         for link_kind, fits in self.spec.collectives.items():
             for kind, link in fits.items():
                 lines.append(f"  {link_kind:<6}{kind:<16} alpha {format_seconds(link.latency):>9}  "
@@ -89,7 +96,8 @@ def build_profile(base: HardwareSpec, samples: Sequence[Sample], *, matmul_flops
                   dtype: str = "float32", name: str | None = None,
                   param_step_overhead: float | None = None,
                   transcendental_rate: float | None = None, attention_flops: float | None = None,
-                  attention_backward_flops: float | None = None) -> HardwareSpec:
+                  attention_backward_flops: float | None = None,
+                  sync_latency: float | None = None) -> HardwareSpec:
     """The calibrated spec: base's capacity, measured compute, fitted links (base's where unmeasured;
     the per-tensor step overhead, the transcendental rate and the attention efficiencies too when
     not measured). An attention efficiency is its FLOP/s over the matmul's."""
@@ -108,7 +116,8 @@ def build_profile(base: HardwareSpec, samples: Sequence[Sample], *, matmul_flops
         attention_efficiency=(base.attention_efficiency if attention_flops is None
                               else attention_flops / matmul_flops),
         attention_backward_efficiency=(base.attention_backward_efficiency if attention_backward_flops is None
-                                       else attention_backward_flops / matmul_flops))
+                                       else attention_backward_flops / matmul_flops),
+        sync_latency=base.sync_latency if sync_latency is None else sync_latency)
 
 
 # --- measuring (every rank runs these in the same order) -------------------------------------------
@@ -299,6 +308,43 @@ def measure_param_step(device: torch.device, iters: int, counts: Sequence[int] =
     return fit_line(counts, times)[1]
 
 
+def measure_sync_latency(device: torch.device, iters: int, segment: float = 10e-3, reps: int = 8) -> float:
+    """Seconds a blocking collective adds when the ranks reach it from compute (`sync_latency`): per
+    round, `reps` times ~`segment` seconds of matmuls, then the same each followed by a 4-byte
+    all_reduce (functional + wait, as the graph issues it), then the all_reduce alone back to back;
+    the excess of the second over the other two, median of `iters` rounds, never below 0."""
+    dim = 4096 if device.type == "cuda" else 512
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(dim, dim, device=device, dtype=dtype)
+    calls = torch.tensor([max(1.0, segment / _sustained_time(lambda: a @ a, device, 3))], device=device)
+    dist.all_reduce(calls, op=dist.ReduceOp.MAX)   # every rank runs the same work
+    calls = int(calls.item())
+    fc, name, x = torch.ops._c10d_functional, dist.group.WORLD.group_name, torch.ones(1, device=device)
+
+    def work():
+        for _ in range(calls):
+            a @ a
+
+    def reduce():
+        fc.wait_tensor(fc.all_reduce(x, "sum", name))
+
+    def per_call(fn, n: int) -> float:
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        _sync(device)
+        return (time.perf_counter() - t0) / n
+
+    reduce()
+    excess = []
+    for _ in range(iters):
+        alone, lockstep = per_call(work, reps), per_call(reduce, 4 * reps)
+        excess.append(per_call(lambda: (work(), reduce()), reps) - alone - lockstep)
+    return max(0.0, statistics.median(excess))
+
+
 def _slowest(values: dict[str, float], device: torch.device) -> dict[str, float]:
     """Every rank's figures agreed: the slowest rank's (min rate, max overhead) so all get one spec."""
     rates = ("matmul", "attention", "attention_backward", "bandwidth", "transcendental")
@@ -342,16 +388,19 @@ def calibrate(mesh_shape: Sequence[int] | None = None, *, sizes: Sequence[int] =
     samples = measure_collectives(mesh, sorted(sizes), iters, device, say)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     figures = measure_compute(device, iters, dtype, say, quick_compute)
-    say("per-parameter step work: zero_grad, to_local, backward, AdamW over 4, 16, 64 DTensor parameters")
-    figures = _slowest({**figures, "param_step": measure_param_step(device, iters)}, device)
+    say("per-parameter step work: zero_grad, to_local, backward, AdamW over 4, 16, 64 DTensor parameters; "
+        "a collective reached from compute")
+    figures = _slowest({**figures, "param_step": measure_param_step(device, iters),
+                        "sync": measure_sync_latency(device, iters)}, device)
     spec = build_profile(base_spec, samples, matmul_flops=figures["matmul"], mem_bandwidth=figures["bandwidth"],
                          op_overhead=figures["overhead"], devices_per_node=dpn,
                          dtype="bfloat16" if device.type == "cuda" else "float32",
                          param_step_overhead=figures["param_step"], transcendental_rate=figures["transcendental"],
-                         attention_flops=figures["attention"], attention_backward_flops=figures["attention_backward"])
+                         attention_flops=figures["attention"], attention_backward_flops=figures["attention_backward"],
+                         sync_latency=figures["sync"])
     return Calibration(spec, tuple(samples), figures["matmul"], figures["attention"], figures["bandwidth"],
                        figures["overhead"], figures["param_step"], figures["transcendental"],
-                       figures["attention_backward"])
+                       figures["attention_backward"], figures["sync"])
 
 
 def _device() -> torch.device:

@@ -102,6 +102,11 @@ class Mesh:
         return comm.hardware_collective_time(kind, nbytes, self.shape[index], self.hardware,
                                              self._link_kinds[index])
 
+    def p2p_time(self, nbytes: float, axis: int | str) -> float:
+        """Seconds of one blocking point-to-point transfer along `axis` between pipeline stages: the
+        send_recv fit plus the hardware's `sync_latency` (the receiver reaches it from compute)."""
+        return self.collective_time("send_recv", nbytes, axis) + self.hardware.sync_latency
+
     def explain_collective(self, kind: str, nbytes: float, axis: int | str) -> str:
         """The formula and numbers behind `collective_time`, one line."""
         index = self.axis_index(axis)

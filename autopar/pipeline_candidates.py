@@ -111,7 +111,7 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int) -> list[
 def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, strategy=None) -> list[Candidate]:
     """Candidates of one (pp, dp, tp, m) for each schedule: the loosest SPMD memory row whose split fits."""
     full = Mesh((pp, dp, tp), ("pp", "dp", "tp"), prof.hardware, prof.dpn)
-    p2p = (lambda nbytes: full.collective_time("send_recv", nbytes, "pp")) if pp > 1 else (lambda nbytes: 0.0)
+    p2p = (lambda nbytes: full.p2p_time(nbytes, "pp")) if pp > 1 else (lambda nbytes: 0.0)
     out = []
     for schedule in schedules:
         v = INTERLEAVE if schedule == "interleaved_1f1b" else 1

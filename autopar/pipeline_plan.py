@@ -155,7 +155,7 @@ def plan_pipelined_captured(captured, model, micro_inputs, *, mesh: Mesh, num_mi
                              micro_inputs)
     with timer("stages"):             # exact contiguous split of the units into p stages (p*v chunks)
         layers = layer_costs(prob, sol.choice, captured)
-        p2p = lambda nbytes: mesh.collective_time("send_recv", nbytes, PP)  # noqa: E731
+        p2p = lambda nbytes: mesh.p2p_time(nbytes, PP)  # noqa: E731
         split = partition(layers, mesh.shape[0], num_microbatches, schedule, p2p_time=p2p, memory_budget=budget,
                           v=v)
     return widen(spmd, mesh, layers, split, num_microbatches, schedule, budget, captured, v)

@@ -82,13 +82,13 @@ def pooled(calibrations: list[Calibration]) -> HardwareSpec:
     first = calibrations[0]
     med = {name: statistics.median(getattr(c, name) for c in calibrations)
            for name in ("matmul_flops", "mem_bandwidth", "op_overhead", "param_step_overhead", "transcendental_rate",
-                        "attention_flops", "attention_backward_flops")}
+                        "attention_flops", "attention_backward_flops", "sync_latency")}
     return build_profile(first.spec, [s for c in calibrations for s in c.samples], matmul_flops=med["matmul_flops"],
                          mem_bandwidth=med["mem_bandwidth"], op_overhead=med["op_overhead"],
                          devices_per_node=first.spec.devices_per_node, name=first.spec.name,
                          param_step_overhead=med["param_step_overhead"],
                          transcendental_rate=med["transcendental_rate"], attention_flops=med["attention_flops"],
-                         attention_backward_flops=med["attention_backward_flops"])
+                         attention_backward_flops=med["attention_backward_flops"], sync_latency=med["sync_latency"])
 
 
 def build(model, example, mesh, name: str) -> Variant:
@@ -237,7 +237,8 @@ def main(argv=None) -> None:
                   f"{hw.flops('float32') * hw.compute_efficiency / 1e9:.1f} GFLOP/s, pointwise "
                   f"{hw.mem_bandwidth / 1e9:.1f} GB/s, exp/tanh/gelu {hw.transcendental_rate / 1e6:.0f} M elements/s, "
                   f"op overhead {hw.op_overhead * 1e6:.2f} µs, {hw.param_step_overhead * 1e6:.0f} µs per parameter "
-                  f"tensor per step, attention at {hw.attention_efficiency:.2f} (forward) and "
+                  f"tensor per step, {hw.sync_latency * 1e6:.0f} µs per collective reached from compute, "
+                  f"attention at {hw.attention_efficiency:.2f} (forward) and "
                   f"{hw.attention_backward_efficiency:.2f} (backward) of the matmul's FLOP/s", flush=True)
         print(f"world {world}, threads/rank {torch.get_num_threads()}, hardware {hw.name}, GPT {args.layers}L "
               f"{args.embd}d {args.heads}h vocab {args.vocab}, batch {args.batch}x{args.block}, "

@@ -59,6 +59,10 @@ class HardwareSpec:
     attention kernels (forward; backward) as a fraction of a large matmul's (η·P), counting FLOPs by
     `costmodel.compute`'s formulas: on a CPU the backward runs well below matmul speed. 1 prices
     attention as a matmul. `autopar calibrate` measures both; the GPU presets' are estimates.
+    `sync_latency` is what a blocking collective adds when the ranks reach it from compute rather
+    than in lockstep, as in a training step (once per collective, not per hop): on a CPU with gloo,
+    ~1 ms of waking the communication threads of ranks that were busy computing; the alpha-beta
+    fits are timed back to back and do not see it. Measured by `autopar calibrate`; presets 0.
     """
 
     name: str
@@ -75,6 +79,7 @@ class HardwareSpec:
     transcendental_rate: float = 0.0  # elements/s of exp-class pointwise ops (0: bytes alone)
     attention_efficiency: float = 1.0           # attention forward FLOP/s / matmul FLOP/s
     attention_backward_efficiency: float = 1.0  # attention backward FLOP/s / matmul FLOP/s
+    sync_latency: float = 0.0         # seconds a blocking collective adds after compute (calibrated)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -83,7 +88,7 @@ class HardwareSpec:
         object.__setattr__(self, "peak_flops", {k: float(v) for k, v in self.peak_flops.items()})
         for name in ("mem_bandwidth", "mem_capacity", "compute_efficiency", "op_overhead",
                      "param_step_overhead", "transcendental_rate", "attention_efficiency",
-                     "attention_backward_efficiency"):
+                     "attention_backward_efficiency", "sync_latency"):
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "collectives", {k: dict(v) for k, v in self.collectives.items()})
 
@@ -155,10 +160,10 @@ class HardwareSpec:
 
 _FIELDS = ("name", "peak_flops", "mem_bandwidth", "mem_capacity", "intra_node", "inter_node",
            "devices_per_node", "compute_efficiency", "collectives", "op_overhead", "param_step_overhead",
-           "transcendental_rate", "attention_efficiency", "attention_backward_efficiency")
+           "transcendental_rate", "attention_efficiency", "attention_backward_efficiency", "sync_latency")
 _REQUIRED = _FIELDS[:7]
 _OPTIONAL = {"op_overhead": 0.0, "param_step_overhead": 0.0, "transcendental_rate": 0.0,   # default when absent
-             "attention_efficiency": 1.0, "attention_backward_efficiency": 1.0}
+             "attention_efficiency": 1.0, "attention_backward_efficiency": 1.0, "sync_latency": 0.0}
 _FIX = "fix the field or regenerate the profile with HardwareSpec.save()"
 
 
@@ -200,6 +205,7 @@ def _validate(spec: HardwareSpec) -> None:
     _check_non_negative("op_overhead", spec.op_overhead)
     _check_non_negative("param_step_overhead", spec.param_step_overhead)
     _check_non_negative("transcendental_rate", spec.transcendental_rate)
+    _check_non_negative("sync_latency", spec.sync_latency)
     _check_positive("attention_efficiency", spec.attention_efficiency)
     _check_positive("attention_backward_efficiency", spec.attention_backward_efficiency)
     if not isinstance(spec.collectives, dict) or not set(spec.collectives) <= set(LINK_KINDS):

@@ -114,7 +114,7 @@ def test_corrupt_or_incomplete_profile_is_a_clear_error(tmp_path, text, message)
     assert not (tmp_path / "pwned").exists()
 
 
-@pytest.mark.parametrize("field", ["op_overhead", "param_step_overhead"])
+@pytest.mark.parametrize("field", ["op_overhead", "param_step_overhead", "sync_latency"])
 def test_bad_overheads_are_clear_errors(field):
     data = H100.to_json()
     assert "op_overhead" not in data   # unset fields stay out of the JSON
@@ -146,7 +146,7 @@ def test_real_calibration_two_ranks(tmp_path):
     assert set(spec.collectives["intra"]) == set(KINDS)
     assert all(link.latency >= 0 and link.bandwidth > 0 for link in spec.collectives["intra"].values())
     assert 0 < spec.compute_efficiency <= 1 and spec.op_overhead > 0 and spec.param_step_overhead > 0
-    assert spec.transcendental_rate > 0
+    assert spec.transcendental_rate > 0 and spec.sync_latency >= 0
     assert spec.attention_efficiency > 0 and spec.attention_backward_efficiency > 0
     assert spec.attention_backward_efficiency != CPU.attention_backward_efficiency   # measured, not the preset's
     assert Mesh(2, hardware=out).collective_time("all_reduce", 1e6, 0) > 0

@@ -382,3 +382,71 @@ def test_attention_efficiencies_round_trip_and_are_validated():
                       ("attention_backward_efficiency", "half")):
         with pytest.raises(HardwareError, match=name):
             HardwareSpec.from_json({**hw.to_json(), name: bad})
+
+
+def test_sync_latency_round_trips_and_is_validated():
+    hw = dataclasses.replace(hardware.CPU, name="cpu-calibrated", sync_latency=1.1e-3)
+    assert HardwareSpec.from_json(json.dumps(hw.to_json())) == hw
+    assert "sync_latency" not in hardware.CPU.to_json()   # presets: 0, left out (fingerprints unchanged)
+    assert HardwareSpec.from_json(hardware.CPU.to_json()).sync_latency == 0.0
+    for bad in (-1e-3, "1ms"):
+        with pytest.raises(HardwareError, match="sync_latency"):
+            HardwareSpec.from_json({**hw.to_json(), "sync_latency": bad})
+
+
+def test_each_collective_pays_the_sync_latency_once_bucketed_gradients_their_share():
+    """A 1 MB all-reduce on 2 ranks pays sync_latency once (not per hop); a bucketed gradient of
+    B bytes min(1, B / BUCKET_BYTES) of it, as of alpha; a caller's share scales it; a pipeline
+    transfer pays it once on top of its send_recv fit."""
+    import autopar
+    from autopar.placement import P, R
+    from autopar.reshard import BUCKET_BYTES, ReshardCost
+    sync = 1e-3
+    base, slow = (autopar.Mesh((2,), hardware=dataclasses.replace(hardware.CPU, sync_latency=s)) for s in (0.0, sync))
+    fast_rc, slow_rc = ReshardCost(base), ReshardCost(slow)
+    partial, rep = (P,), (R,)
+    for nbytes in (4.0, 1e6):
+        assert slow_rc.time(partial, rep, nbytes) - fast_rc.time(partial, rep, nbytes) == pytest.approx(sync)
+        assert slow_rc.time(partial, rep, nbytes, sync_share=0.25) - fast_rc.time(partial, rep, nbytes) \
+            == pytest.approx(sync / 4)
+        assert slow_rc.time(partial, rep, nbytes, bucketed=True) - fast_rc.time(partial, rep, nbytes, bucketed=True) \
+            == pytest.approx(sync * nbytes / BUCKET_BYTES)
+        step = fast_rc.steps(partial, rep, nbytes)[0]
+        assert slow_rc.step_time(step) - fast_rc.step_time(step) == pytest.approx(sync)
+        assert slow.p2p_time(nbytes, 0) - base.p2p_time(nbytes, 0) == pytest.approx(sync)
+        assert base.p2p_time(nbytes, 0) == base.collective_time("send_recv", nbytes, 0)
+
+
+def test_a_parameter_gathered_with_its_layer_pays_its_bytes_share_of_one_sync():
+    """passes/bucket_layer_gathers.py gathers a numbered layer's parameters in one collective: each
+    parameter's data edges carry its bytes over the layer's as `sync_share`; parameters outside the
+    numbered layers (embeddings, final norm) and activations pay a whole one."""
+    import autopar
+    from autopar.canonicalize import canonicalize
+    from autopar.capture import capture
+    from autopar.costing import ProblemBuilder, layer_of, nbytes_of
+    from autopar.strategies import val_of
+    from tests.models import tiny_gpt
+    case = tiny_gpt()
+    captured = capture(case.model, case.example_inputs)
+    canonicalize(captured.gm)
+    prob = ProblemBuilder(captured, autopar.Mesh((2,), hardware="cpu")).build()
+    params = {i: n for i, n in enumerate(prob.nodes) if n.meta.get("autopar_role") == "param"}
+    totals: dict = {}
+    for n in params.values():
+        layer = layer_of(n.meta["autopar_name"])
+        totals[layer] = totals.get(layer, 0.0) + nbytes_of(val_of(n))
+    assert len([k for k in totals if k is not None]) >= 2
+    seen_layer = seen_outside = 0
+    for e in prob.edges:
+        if e.kind != "data":
+            continue
+        node = params.get(e.src)
+        layer = None if node is None else layer_of(node.meta["autopar_name"])
+        if layer is None:
+            assert e.sync_share == 1.0
+            seen_outside += node is not None
+        else:
+            assert e.sync_share == pytest.approx(e.nbytes / totals[layer]) and e.sync_share < 1
+            seen_layer += 1
+    assert seen_layer and seen_outside
