@@ -160,9 +160,11 @@ def test_captured_step_equals_eager_autocast(factory):
     for name, g in zip(captured.grad_param_names, grads):
         assert g.dtype == torch.float32, name  # gradients of the fp32 master weights are fp32
         want = ref_grads[name].grad
-        # decomposed bf16 pointwise ops (e.g. SiLU) round once more than eager's fused kernels:
-        # at most about one bf16 ulp of the largest gradient entry
-        torch.testing.assert_close(g, want, rtol=0, atol=2 ** -7 * float(want.abs().max()) + 1e-8, msg=name)
+        # decomposed bf16 pointwise ops (e.g. SiLU) round once more than eager's fused kernels, and on
+        # a CPU with AVX512-BF16 eager's bf16 matmuls (oneDNN's native dot products) accumulate in
+        # another order than the captured graph's: up to 1.3 bf16 ulps of the largest gradient entry
+        # measured (tiny_llama's gate_proj; ~1 ulp on CPUs without it), so two ulps are allowed
+        torch.testing.assert_close(g, want, rtol=0, atol=2 ** -6 * float(want.abs().max()) + 1e-8, msg=name)
     mm_dtypes = {str(n.meta["val"].dtype) for n in captured.gm.graph.nodes
                  if n.op == "call_function" and n.target is torch.ops.aten.mm.default}
     assert mm_dtypes == {"torch.bfloat16"}
