@@ -12,8 +12,9 @@ Compute is timed the same way: square matmuls give the achieved FLOP/s (-> `comp
 against the base preset's peak); causal attention forward and backward their FLOP/s (counted by
 the cost model's formulas) as fractions of the matmul's (-> `attention_efficiency`,
 `attention_backward_efficiency`); exp, tanh and gelu the `transcendental_rate` (elements/s); and
-pointwise ops over sizes from 64 elements to 1M the per-launch overhead and the memory bandwidth,
-by a line fit (`fit_line`):
+pointwise ops over sizes from 64 elements to 1M, their operands streamed from memory rather than
+cache (`measure_pointwise`), the per-launch overhead and the memory bandwidth, by a line fit
+(`fit_line`):
 
     t(M) = o + M·(1/W)            (M bytes read and written)
 
@@ -31,6 +32,7 @@ The result is a `HardwareSpec`; `HardwareSpec.save` writes the JSON that `Mesh(h
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import statistics
@@ -240,7 +242,7 @@ def measure_compute(device: torch.device, iters: int, dtype: torch.dtype, progre
         rates.append(2 * d ** 3 / _sustained_time(lambda: a @ b, device, iters))
     attention, attention_backward = measure_attention(device, iters, dtype, quick)
     numel = 1 << (24 if big else 18 if quick else 20)
-    overhead, bandwidth = measure_pointwise(device, iters, dtype, numel)
+    overhead, bandwidth = measure_pointwise(device, iters, dtype, numel, pool_bytes=(64 << 20) if quick else None)
     x = torch.randn(numel, device=device, dtype=dtype)
     special = statistics.median(numel / _sustained_time(lambda: op(x), device, iters)
                                 for op in (torch.exp, torch.tanh, F.gelu))
@@ -265,21 +267,34 @@ def measure_attention(device: torch.device, iters: int, dtype: torch.dtype, quic
             compute_model.attention_backward_flops(shape, shape, shape, shape) / backward)
 
 
-def measure_pointwise(device: torch.device, iters: int, dtype: torch.dtype, max_numel: int) -> tuple[float, float]:
+def measure_pointwise(device: torch.device, iters: int, dtype: torch.dtype, max_numel: int,
+                      pool_bytes: int | None = None) -> tuple[float, float]:
     """(seconds per op, bytes/s): `fit_line` over sizes 64 .. max_numel elements of x + y and
     x * 0.5 (bytes = inputs + output), the mean of the two fits; each size is a sustained stream
     of calls (`_sustained_time`). The ops are called as the per-rank graph calls them, through
     their ATen overloads (`torch.ops.aten.add.Tensor`): on a CPU that costs ~2x the dispatch of
-    Python's `torch.add` binding (6 against 3 µs per call, one idle core)."""
+    Python's `torch.add` binding (6 against 3 µs per call, one idle core).
+
+    Each call reads other operands: views spread over two pools larger than the caches
+    (`pool_bytes` each: 256 MiB, 1 GiB on a GPU), so the operands stream from device memory as a
+    step's do (its activations outgrow the caches; the same adds over cache-resident operands run
+    ~2.5x faster on this project's CPU: 75-80 against ~30 GB/s per core)."""
     aten = torch.ops.aten
     numels = sorted({n for n in (64, 1024, 16384, 262144, max_numel) if n <= max_numel})
+    pool_bytes = pool_bytes or (1 << (30 if device.type == "cuda" else 28))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    pool_numel = max(pool_bytes // itemsize, 2 * max_numel)
+    pools = [torch.ones(pool_numel, device=device, dtype=dtype) for _ in range(2)]
     fits = []
     for op, tensors in ((aten.add.Tensor, 3), (lambda x, y: aten.mul.Tensor(x, 0.5), 2)):
         sizes, times = [], []
         for numel in numels:
-            x, y = torch.randn(numel, device=device, dtype=dtype), torch.randn(numel, device=device, dtype=dtype)
-            times.append(_sustained_time(lambda: op(x, y), device, iters))
-            sizes.append(tensors * numel * x.element_size())
+            count = min(pool_numel // numel, 4096)
+            stride = pool_numel // count
+            pairs = itertools.cycle([(pools[0][i * stride:i * stride + numel], pools[1][i * stride:i * stride + numel])
+                                     for i in range(count)])
+            times.append(_sustained_time(lambda: op(*next(pairs)), device, iters))
+            sizes.append(tensors * numel * itemsize)
         fits.append(fit_line(sizes, times))
     overhead = statistics.fmean(f[0] for f in fits)
     return overhead, 1.0 / max(statistics.fmean(f[1] for f in fits), 1e-15)
