@@ -345,14 +345,8 @@ def measure_sync_latency(device: torch.device, iters: int, segment: float = 10e-
 
     def per_call(fn, n: int) -> float:
         dist.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        _sync(device)
-        return (time.perf_counter() - t0) / n
+        return _mean_time(fn, device, n)
 
-    reduce()
     excess = []
     for _ in range(iters):
         alone, lockstep = per_call(work, reps), per_call(reduce, 4 * reps)
