@@ -263,9 +263,11 @@ class ProblemBuilder:
         tails = (precision.gradient_tails(list(self.captured.grad_nodes.values()))
                  if self.captured.mixed_precision is not None else set())
         layer_bytes: dict[tuple[str, int], float] = {}   # a numbered layer's parameters, gathered as one
+        param_layer: dict[fx.Node, tuple[str, int]] = {}
         for node in prob.nodes:
             layer = layer_of(node.meta["autopar_name"]) if node.meta.get("autopar_role") == "param" else None
             if layer is not None:
+                param_layer[node] = layer
                 layer_bytes[layer] = layer_bytes.get(layer, 0.0) + nbytes_of(val_of(node))
         for dst, node in enumerate(prob.nodes):
             if node.op == "placeholder":
@@ -275,8 +277,7 @@ class ProblemBuilder:
                 if producer not in prob.index:
                     continue
                 nbytes = nbytes_of(val_of(a))
-                layer = (layer_of(producer.meta["autopar_name"]) if producer.meta.get("autopar_role") == "param"
-                         else None)
+                layer = param_layer.get(producer)
                 prob.edges.append(EdgeInfo(prob.index[producer], out, dst, pos, nbytes, "data", no_reduce=node in tails,
                                            sync_share=nbytes / layer_bytes[layer] if layer else 1.0))
 
