@@ -5,9 +5,10 @@ import dataclasses
 
 import numpy as np
 
+from autopar.canonicalize import is_view_like
 from autopar.costing import CATEGORIES, Problem, resolve
 from autopar.params import ParamStrategy
-from autopar.placement import replicated, to_str
+from autopar.placement import is_shard, replicated, to_str
 from autopar.plan import CollectiveRecord, NodeChoice, ParamPlacement, Plan
 from autopar.rules import IN_OP_COLLECTIVES, in_op_collectives
 
@@ -28,10 +29,10 @@ def collectives(prob: Problem, choice: np.ndarray, captured) -> list[CollectiveR
     rs = prob.reshard
     records = []
 
-    def add(steps, phase, source, module, reason, bucketed, sync_share=1.0):
+    def add(steps, phase, source, module, reason, bucketed, gather_share=1.0):
         for st in steps:
             records.append(CollectiveRecord(st.kind, names[st.axis], st.nbytes,
-                                            rs.step_time(st, bucketed, sync_share=sync_share),
+                                            rs.step_time(st, bucketed, gather_share=gather_share),
                                             phase, source, module, reason))
 
     for i, node in enumerate(prob.nodes):  # zero1/2 gathers of the master, once per step
@@ -49,7 +50,7 @@ def collectives(prob: Problem, choice: np.ndarray, captured) -> list[CollectiveR
             a, b = src_s.outs[e.out], dst_s.ins[e.pos]
             reason = f"{_spec_text(a)}->{_spec_text(b)} for {dst_node.target}"
             add(rs.steps(a, b, e.nbytes), dst_node.meta.get("phase", "forward"), src_node.name, _module(dst_node),
-                reason, False, e.sync_share)
+                reason, False, e.gather_share)
     for i, node in enumerate(prob.nodes):  # collectives inside an op (MoE expert dispatch)
         if node.target in IN_OP_COLLECTIVES:
             steps = in_op_collectives(node, prob.strategies[i][choice[i]], prob.reshard.axis_sizes)
@@ -81,12 +82,35 @@ def node_choices(prob: Problem, choice: np.ndarray) -> dict[str, NodeChoice]:
 
 def param_placements(prob: Problem, choice: np.ndarray) -> dict[str, ParamPlacement]:
     out = {}
+    readers: dict[int, list] = {}
+    for e in prob.edges:
+        if e.kind == "data":
+            readers.setdefault(e.src, []).append(e)
     for name, i in prob.param_index.items():
         s = prob.strategies[i][choice[i]]
         shape = tuple(int(x) for x in prob.nodes[i].meta["val"].shape)
+        read_sharded = tuple(_read_sharded(prob, choice, readers, i, a) for a in range(prob.mesh.ndim))
         out[name] = ParamPlacement(name, shape, spec_strs(s.outs[0]), spec_strs(s.master), spec_strs(s.grad_hold),
-                                   tuple(s.modes))
+                                   tuple(s.modes), read_sharded)
     return out
+
+
+def _read_sharded(prob: Problem, choice: np.ndarray, readers: dict, src: int, axis: int) -> bool:
+    """Does some forward op compute on node `src`'s value sharded on `axis`, following views and casts
+    (a view of a shard read whole was gathered: ZeRO-3)?"""
+    todo, seen = [src], {src}
+    while todo:
+        for e in readers.get(todo.pop(), ()):
+            node = prob.nodes[e.dst]
+            if node.meta.get("phase", "forward") != "forward" or not is_shard(
+                    prob.strategies[e.dst][choice[e.dst]].ins[e.pos][axis]):
+                continue
+            if not is_view_like(node):
+                return True
+            if e.dst not in seen:
+                seen.add(e.dst)
+                todo.append(e.dst)
+    return False
 
 
 def totals(prob: Problem, choice: np.ndarray) -> dict:

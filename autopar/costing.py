@@ -48,8 +48,8 @@ class EdgeInfo:
     nbytes: float     # global bytes of the tensor moved
     kind: str         # "data" | "grad"
     no_reduce: bool = False  # a data edge inside a gradient's cast/view tail (mixed precision): no reductions
-    sync_share: float = 1.0  # of the hardware's sync_latency its collectives pay (reshard.py): a parameter
-                             # in a numbered layer is gathered in its layer's flat gather, its bytes' share
+    gather_share: float = 1.0  # of one collective's latencies its all-gathers pay (reshard.py): a parameter
+                               # in a numbered layer rides in its layer's flat all-gather
 
 
 @dataclass
@@ -262,13 +262,18 @@ class ProblemBuilder:
     def _data_edges(self, prob: Problem) -> None:
         tails = (precision.gradient_tails(list(self.captured.grad_nodes.values()))
                  if self.captured.mixed_precision is not None else set())
-        layer_bytes: dict[tuple[str, int], float] = {}   # a numbered layer's parameters, gathered as one
+        # a numbered layer's parameters are all-gathered as one (passes/bucket_layer_gathers.py): each
+        # pays its bytes' share of that collective's latencies, at least one over the layer's
+        # parameter count (a layer's small vectors are not gathered for nothing)
+        layer_bytes: dict[tuple[str, int], float] = {}
+        layer_count: dict[tuple[str, int], int] = {}
         param_layer: dict[fx.Node, tuple[str, int]] = {}
         for node in prob.nodes:
             layer = layer_of(node.meta["autopar_name"]) if node.meta.get("autopar_role") == "param" else None
             if layer is not None:
                 param_layer[node] = layer
                 layer_bytes[layer] = layer_bytes.get(layer, 0.0) + nbytes_of(val_of(node))
+                layer_count[layer] = layer_count.get(layer, 0) + 1
         for dst, node in enumerate(prob.nodes):
             if node.op == "placeholder":
                 continue
@@ -278,8 +283,9 @@ class ProblemBuilder:
                     continue
                 nbytes = nbytes_of(val_of(a))
                 layer = param_layer.get(producer)
+                share = max(nbytes / layer_bytes[layer], 1.0 / layer_count[layer]) if layer else 1.0
                 prob.edges.append(EdgeInfo(prob.index[producer], out, dst, pos, nbytes, "data", no_reduce=node in tails,
-                                           sync_share=nbytes / layer_bytes[layer] if layer else 1.0))
+                                           gather_share=min(share, 1.0)))
 
     def _grad_edges(self, prob: Problem) -> None:
         for name, g in self.captured.grad_nodes.items():
@@ -303,7 +309,7 @@ class ProblemBuilder:
         """Seconds of resharding per (src strategy, dst strategy), priced once per unique spec pair;
         edges between the same strategy lists (identical layers) share one read-only matrix."""
         src_s, dst_s = prob.strategies[e.src], prob.strategies[e.dst]
-        key = ("edge", e.kind, id(src_s), id(dst_s), e.out, e.pos, float(e.nbytes), e.no_reduce, e.sync_share)
+        key = ("edge", e.kind, id(src_s), id(dst_s), e.out, e.pos, float(e.nbytes), e.no_reduce, e.gather_share)
         return self._memoized(key, (src_s, dst_s), lambda: self._edge_matrix(src_s, dst_s, e))
 
     def _edge_matrix(self, src_s: list[NodeStrategy], dst_s: list[NodeStrategy], e: EdgeInfo) -> np.ndarray:
@@ -314,7 +320,7 @@ class ProblemBuilder:
         else:
             src_specs = [s.outs[e.out] for s in src_s]
             dst_specs = [d.ins[e.pos] for d in dst_s]
-            small = self._spec_matrix(src_specs, dst_specs, e.nbytes, bucketed=False, sync_share=e.sync_share)
+            small = self._spec_matrix(src_specs, dst_specs, e.nbytes, bucketed=False, gather_share=e.gather_share)
             if e.no_reduce:
                 small = np.where(self._reduces(src_specs, dst_specs), np.inf, small)
         return small[np.ix_(_index_of(src_specs), _index_of(dst_specs))]
@@ -324,16 +330,16 @@ class ProblemBuilder:
         return np.array([[any(st.kind in ("all_reduce", "reduce_scatter") for st in self.reshard.steps(a, b, 1.0))
                           for b in dict.fromkeys(b_specs)] for a in dict.fromkeys(a_specs)])
 
-    def _spec_matrix(self, a_specs, b_specs, nbytes: float, bucketed: bool, sync_share: float = 1.0) -> np.ndarray:
+    def _spec_matrix(self, a_specs, b_specs, nbytes: float, bucketed: bool, gather_share: float = 1.0) -> np.ndarray:
         """reshard(a -> b) over the unique specs of each side, in first-seen order; identical layers
         repeat the same (specs, specs, bytes), so each distinct matrix is priced once."""
-        key = (tuple(a_specs), tuple(b_specs), float(nbytes), bucketed, sync_share)
+        key = (tuple(a_specs), tuple(b_specs), float(nbytes), bucketed, gather_share)
         if key not in self._matrices:
-            self._matrices[key] = self._price_specs(a_specs, b_specs, nbytes, bucketed, sync_share)
+            self._matrices[key] = self._price_specs(a_specs, b_specs, nbytes, bucketed, gather_share)
         return self._matrices[key]
 
-    def _price_specs(self, a_specs, b_specs, nbytes: float, bucketed: bool, sync_share: float) -> np.ndarray:
-        return np.array([[self.reshard.time(a, b, nbytes, bucketed, sync_share) for b in dict.fromkeys(b_specs)]
+    def _price_specs(self, a_specs, b_specs, nbytes: float, bucketed: bool, gather_share: float) -> np.ndarray:
+        return np.array([[self.reshard.time(a, b, nbytes, bucketed, gather_share) for b in dict.fromkeys(b_specs)]
                          for a in dict.fromkeys(a_specs)])
 
     def _cost_graph(self, prob: Problem) -> CostGraph:

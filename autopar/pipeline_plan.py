@@ -175,7 +175,8 @@ def widen(spmd: Plan, mesh: Mesh, layers, split, m: int, schedule: str, budget, 
                    for k in range(chunks))
     R = ("R",)
     params = {n: ParamPlacement(v.name, v.shape, R + tuple(v.use), R + tuple(v.master), R + tuple(v.grad),
-                                ("dp",) + tuple(v.modes)) for n, v in spmd.params.items()}
+                                ("dp",) + tuple(v.modes), (False,) + tuple(v.read_sharded) if v.read_sharded else ())
+              for n, v in spmd.params.items()}
     nodes = {n: NodeChoice(tuple(None if o is None else R + tuple(o) for o in v.outs),
                            tuple(None if i is None else R + tuple(i) for i in v.ins), v.module, v.phase)
              for n, v in spmd.nodes.items()}
@@ -211,7 +212,7 @@ def _chunk_memory(layers, bounds: list[int], schedule: str, p: int, m: int, v: i
 
 def stage_plan(plan: Plan) -> Plan:
     """The pipelined plan as the SPMD plan of one stage (the pp axis dropped): what the passes read."""
-    params = {n: ParamPlacement(v.name, v.shape, v.use[1:], v.master[1:], v.grad[1:], v.modes[1:])
+    params = {n: ParamPlacement(v.name, v.shape, v.use[1:], v.master[1:], v.grad[1:], v.modes[1:], v.read_sharded[1:])
               for n, v in plan.params.items()}
     nodes = {n: NodeChoice(tuple(None if o is None else tuple(o[1:]) for o in v.outs),
                            tuple(None if i is None else tuple(i[1:]) for i in v.ins), v.module, v.phase)

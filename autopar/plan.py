@@ -37,6 +37,8 @@ class ParamPlacement:
     master: tuple         # spec the optimizer steps on (the DTensor parameter)
     grad: tuple           # spec the gradient is held in before the step
     modes: tuple          # per axis: dp | zero1 | zero2 | shard
+    read_sharded: tuple = ()  # per axis: does a forward op compute on a shard of it (tp), rather than
+                              # on it whole (dp, ZeRO: gathered first)? () when unknown (older plans)
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,9 @@ A recipe names, per mesh axis, what that axis may do:
                                  propagates to each op: Shard(batch dim), Partial for weight
                                  gradients, Replicate for parameter-only values); parameters in mode
                                  dp / zero1 / zero2 / shard(ZeRO dim) on that axis.
-    tp                           inputs replicated, no op split along the batch; parameters dp or
-                                 shard (the solver picks Megatron's column/row splits).
+    tp                           inputs replicated, no op split along the batch; weight matrices
+                                 shard and read as shards, never gathered whole (the solver picks
+                                 Megatron's column/row splits); vectors dp or shard.
     auto                         no restriction.
 The solver still prices and chooses within the restriction, so recipes and auto share one model.
 """
@@ -16,6 +17,7 @@ from typing import Callable
 
 import torch.fx as fx
 
+from autopar.canonicalize import is_view_like
 from autopar.errors import InputError
 from autopar.placement import P, R, S, is_partial, is_shard
 from autopar.params import ParamStrategy, zero_dim
@@ -114,6 +116,7 @@ def restriction(gm: fx.GraphModule, recipes: tuple[str, ...], axis_sizes: tuple[
         if r != "auto" and axis_sizes[axis] not in propagated:
             propagated[axis_sizes[axis]] = batch_propagation(gm, axis_sizes[axis], signatures)
     batch = {axis: propagated[axis_sizes[axis]] for axis, r in enumerate(recipes) if r != "auto"}
+    weights = {axis: _weight_views(gm, axis_sizes[axis]) for axis, r in enumerate(recipes) if r == "tp"}
 
     def ok(node: fx.Node, strat, axis: int, recipe: str) -> bool:
         outs = strat.outs
@@ -123,10 +126,7 @@ def restriction(gm: fx.GraphModule, recipes: tuple[str, ...], axis_sizes: tuple[
         if isinstance(strat, ParamStrategy):
             mode = strat.modes[axis]
             if recipe == "tp":  # Megatron: weight matrices are split; vectors may stay whole
-                shape = tuple(val_of(node).shape)
-                if len(shape) >= 2 and any(d % axis_sizes[axis] == 0 for d in shape):
-                    return mode == "shard"
-                return mode in ("dp", "shard")
+                return mode == "shard" if node in weights[axis] else mode in ("dp", "shard")
             wanted = PARAM_MODE[recipe]
             if wanted == "shard":
                 dz = zero_dim(tuple(val_of(node).shape), axis_sizes[axis])
@@ -136,7 +136,8 @@ def restriction(gm: fx.GraphModule, recipes: tuple[str, ...], axis_sizes: tuple[
         want = want if isinstance(want, tuple) else (want,)
         if recipe == "tp":
             return all(not (w is not None and is_shard(w) and g == w) for g, w in zip(got, want)) and \
-                (node.op != "placeholder" or got[0] == R)
+                (node.op != "placeholder" or got[0] == R) and \
+                all(is_shard(spec[axis]) for a, spec in zip(node.all_input_nodes, strat.ins) if a in weights[axis])
         return got == want
 
     memo: dict[tuple, tuple[list, list]] = {}
@@ -145,7 +146,8 @@ def restriction(gm: fx.GraphModule, recipes: tuple[str, ...], axis_sizes: tuple[
         # identical layers share one strategy list: filter it once per batch placement (and, for
         # parameters and inputs, whose filter reads the shape, once per shape)
         key = (id(strategies), tuple(batch[a].get(node) for a, r in enumerate(recipes) if r != "auto"),
-               tuple(val_of(node).shape) if node.op == "placeholder" else None)
+               tuple(val_of(node).shape) if node.op == "placeholder" else None,
+               tuple(tuple(a in w for a in node.all_input_nodes) for w in weights.values()))
         if key in memo:
             return memo[key][1]
         keep = [s for s in strategies if all(ok(node, s, a, r) for a, r in enumerate(recipes) if r != "auto")]
@@ -154,6 +156,26 @@ def restriction(gm: fx.GraphModule, recipes: tuple[str, ...], axis_sizes: tuple[
         return keep
 
     return allowed
+
+
+def _is_tp_weight(node: fx.Node, n: int) -> bool:
+    """A parameter the tp recipe shards on an axis of size n: a matrix with a dim n divides."""
+    shape = tuple(val_of(node).shape)
+    return node.meta.get("autopar_role") == "param" and len(shape) >= 2 and any(d % n == 0 for d in shape)
+
+
+def _weight_views(gm: fx.GraphModule, n: int) -> set[fx.Node]:
+    """The tp recipe's weight matrices on an axis of size n and their views, casts and copies: what
+    Megatron reads as a shard. Its ops must take these sharded on that axis; gathering a weight whole
+    would be ZeRO-3, not tensor parallelism."""
+    out: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if _is_tp_weight(node, n):
+                out.add(node)
+        elif is_view_like(node) and node.all_input_nodes and node.all_input_nodes[0] in out:
+            out.add(node)
+    return out
 
 
 def _zero_ok(node: fx.Node, n: int) -> bool:

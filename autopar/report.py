@@ -8,9 +8,9 @@ figures. Model order is the order of the parameter placeholders (`arg0_1`, `arg1
 are sorted by name.
 
 Weight cells show the spec the optimizer steps on (`master`) and the mode per mesh axis. A "shard"
-mode is named by how the forward pass consumes the parameter: "tp" when the graph reads it sharded
-on that axis (`use` is S*: tensor parallelism), "zero3" when it reads it replicated, i.e. gathers
-it before use (ZeRO-3 / FSDP).
+mode is named by how the forward pass consumes the parameter: "tp" when some forward op computes on
+its shard on that axis (tensor parallelism), "zero3" when every forward op reads it gathered whole
+(`ParamPlacement.read_sharded`; ZeRO-3 / FSDP).
 """
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def mode_label(param, axis: int) -> str:
     """dp | zero1 | zero2 | tp | zero3 (see the module docstring for "shard")."""
     mode = param.modes[axis]
     if mode == "shard":
-        return "tp" if param.use[axis].startswith("S") else "zero3"
+        sharded = param.read_sharded[axis] if param.read_sharded else param.use[axis].startswith("S")
+        return "tp" if sharded else "zero3"
     return mode
 
 

@@ -13,15 +13,18 @@ makes the message on axis 1 larger). `steps()` lists the collectives, `time()` s
 Three refinements of plain alpha-beta, the first two mirrored by the runtime:
   * gradient collectives are bucketed (BUCKET_BYTES, as DDP/FSDP do): a gradient of B bytes pays
     min(1, B / BUCKET_BYTES) of one collective's latency, so 100 small biases do not cost 100 alphas;
+  * parameters of one layer are all-gathered in one collective per phase
+    (passes/bucket_layer_gathers.py, as FSDP2 gathers a layer's flat buffer): the all-gathers of a
+    parameter's data edge pay the caller's `gather_share` of one collective's latency, launch
+    overhead and sync latency (autopar/costing.py: the parameter's bytes over the layer's, at least
+    one over the layer's parameter count);
   * every other collective also pays a launch overhead of LAUNCH_FRACTION * alpha, which breaks
     ties towards fewer collectives (one all_reduce rather than reduce_scatter + all_gather);
   * each collective pays the hardware's `sync_latency` once: what a blocking collective adds when
     the ranks reach it from compute rather than back to back as calibration times alpha (CPU/gloo:
-    ~1 ms). A collective that rides in a shared one pays its share (`sync_share`): a bucketed
-    gradient min(1, B / BUCKET_BYTES), as of alpha; a parameter gathered with its layer's other
-    parameters (passes/bucket_layer_gathers.py) its bytes over the layer's (the caller's share).
-    Two collectives with no compute between them pay it twice here, once in the step: an upper
-    bound for such pairs.
+    ~1 ms); a bucketed gradient pays min(1, B / BUCKET_BYTES) of it, as of alpha, a gathered
+    parameter its `gather_share`. Two collectives with no compute between them pay it twice here,
+    once in the step: an upper bound for such pairs.
 """
 from __future__ import annotations
 
@@ -152,23 +155,24 @@ class ReshardCost:
         return found[1]
 
     def step_time(self, step: Step, bucketed: bool = False, total_bytes: float | None = None,
-                  sync_share: float = 1.0) -> float:
+                  gather_share: float = 1.0) -> float:
         link = self.mesh.hardware.link(self.mesh.link_kind(step.axis), step.kind)
         sync = self.mesh.hardware.sync_latency
         if bucketed:
             share = min(1.0, (total_bytes if total_bytes is not None else step.nbytes) / BUCKET_BYTES)
             latency = link.latency * share
         else:
-            share, latency = sync_share, link.latency
+            share = gather_share if step.kind == "all_gather" else 1.0
+            latency = link.latency * share if share != 1.0 else link.latency
         t = collective_time(step.kind, step.nbytes, self.axis_sizes[step.axis], LinkSpec(link.bandwidth, latency))
-        return t + share * sync if bucketed else t + LAUNCH_FRACTION * link.latency + share * sync
+        return t + share * sync if bucketed else t + LAUNCH_FRACTION * latency + share * sync
 
     def _step_terms(self, kind: str, axis: int) -> tuple[float, float, float, float]:
         """(bw(n), hops(n), bandwidth, latency) of one collective kind on one axis: what `step_time` looks up."""
         link = self.mesh.hardware.link(self.mesh.link_kind(axis), kind)
         return (*coefficients(kind, self.axis_sizes[axis]), link.bandwidth, link.latency)
 
-    def _compute(self, templates: list, nbytes: float, bucketed: bool, sync_share: float) -> float:
+    def _compute(self, templates: list, nbytes: float, bucketed: bool, gather_share: float) -> float:
         # the same floating-point operations as summing step_time over steps(src, dst, nbytes), with
         # the per-(kind, axis) lookups cached: collective_time is bw * B / bandwidth + hops * latency
         total = 0
@@ -180,23 +184,26 @@ class ReshardCost:
                 share = min(1.0, nbytes / BUCKET_BYTES)
                 t = bw * step_bytes / bandwidth + hops * (latency * share) + share * sync
             else:
-                t = bw * step_bytes / bandwidth + hops * latency + LAUNCH_FRACTION * latency + sync_share * sync
+                share = gather_share if kind == "all_gather" else 1.0
+                if share != 1.0:
+                    latency = latency * share
+                t = bw * step_bytes / bandwidth + hops * latency + LAUNCH_FRACTION * latency + share * sync
             total += t
         return total
 
-    def time(self, src: Spec, dst: Spec, nbytes: float, bucketed: bool = False, sync_share: float = 1.0) -> float:
-        """Seconds of src -> dst for a tensor of `nbytes` (`sync_share`: of non-bucketed collectives,
-        see the module docstring)."""
+    def time(self, src: Spec, dst: Spec, nbytes: float, bucketed: bool = False, gather_share: float = 1.0) -> float:
+        """Seconds of src -> dst for a tensor of `nbytes` (`gather_share`: of the latencies its
+        non-bucketed all-gathers pay, see the module docstring)."""
         if src is dst:
             return 0.0
         pair = (self._number(src), self._number(dst))
-        key = (*pair, float(nbytes), bucketed, sync_share)
+        key = (*pair, float(nbytes), bucketed, gather_share)
         t = self._times.get(key)
         if t is None:
             templates = self._pairs.get(pair)
             if templates is None:
                 templates = self._pairs[pair] = _templates(src, dst, self.axis_sizes)
-            t = self._times[key] = self._compute(templates, float(nbytes), bucketed, sync_share) or 0.0
+            t = self._times[key] = self._compute(templates, float(nbytes), bucketed, gather_share) or 0.0
         return t
 
     def steps(self, src: Spec, dst: Spec, nbytes: float) -> list[Step]:

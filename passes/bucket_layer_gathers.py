@@ -13,8 +13,8 @@ a backward gather never runs in forward.
 
 Logical collectives are unchanged: the fused node lists them in meta["autopar_fused"] (as
 `bucket_collectives` does), so `emitted_collectives(gm)` still equals `Plan.collectives`. The cost
-model still prices each of them with its own launch latency (autopar/costing.py), so it
-overestimates the gather latency of ZeRO-3 (and gathered tensor-parallel) weights.
+model prices each of them at its share of one collective's latencies (`EdgeInfo.gather_share` in
+autopar/costing.py: its bytes over the layer's, at least one over the layer's parameter count).
 """
 from __future__ import annotations
 

@@ -82,14 +82,14 @@ def test_tp_moves_four_activation_all_reduces_per_layer():
     def in_layer(c, layer):
         return c.module == f"layers.{layer}" or c.module.startswith(f"layers.{layer}.")
 
-    for layer in range(1, layers):
+    # Layer 0 too: the embedding table is split like every weight matrix (never gathered whole), so
+    # its output is a hidden shard, gathered whole for the first norm as later layers gather their
+    # sequence shards (its all-to-all onto the sequence shards for the residual moves B/n).
+    for layer in range(layers):
         assert _moved(c for c in acts if in_layer(c, layer)) == pytest.approx(4 * one_all_reduce, rel=1e-9)
-    # Layer 0 skips half of one: the embedding output is already replicated (no entry all-gather)
-    # and, in backward, its input gradient is only reduce-scattered, straight into the embedding
-    # gradient. Outside the layers, the column-split LM head adds one (gather its input in forward,
+    # Outside the layers, the column-split LM head adds one (gather its input in forward,
     # reduce-scatter its input gradient in backward).
-    assert _moved(c for c in acts if in_layer(c, 0)) == pytest.approx(3.5 * one_all_reduce, rel=1e-9)
-    assert _moved(acts) == pytest.approx((4 * layers + 0.5) * one_all_reduce, rel=1e-9)
+    assert _moved(acts) == pytest.approx((4 * layers + 1) * one_all_reduce, rel=1e-9)
     # Not in the textbook: layer-norm parameters stay replicated, so their gradients (h floats each:
     # 2 per norm, 2 norms per layer + ln_f) are all-reduced; the loss scalar is all-reduced once.
     ln = [c for c in p.collectives if c.reason == "gradient" and ".ln_" in f".{c.source}"]

@@ -396,8 +396,8 @@ def test_sync_latency_round_trips_and_is_validated():
 
 def test_each_collective_pays_the_sync_latency_once_bucketed_gradients_their_share():
     """A 1 MB all-reduce on 2 ranks pays sync_latency once (not per hop); a bucketed gradient of
-    B bytes min(1, B / BUCKET_BYTES) of it, as of alpha; a caller's share scales it; a pipeline
-    transfer pays it once on top of its send_recv fit."""
+    B bytes min(1, B / BUCKET_BYTES) of it, as of alpha; a pipeline transfer pays it once on top of
+    its send_recv fit."""
     import autopar
     from autopar.placement import P, R
     from autopar.reshard import BUCKET_BYTES, ReshardCost
@@ -407,8 +407,6 @@ def test_each_collective_pays_the_sync_latency_once_bucketed_gradients_their_sha
     partial, rep = (P,), (R,)
     for nbytes in (4.0, 1e6):
         assert slow_rc.time(partial, rep, nbytes) - fast_rc.time(partial, rep, nbytes) == pytest.approx(sync)
-        assert slow_rc.time(partial, rep, nbytes, sync_share=0.25) - fast_rc.time(partial, rep, nbytes) \
-            == pytest.approx(sync / 4)
         assert slow_rc.time(partial, rep, nbytes, bucketed=True) - fast_rc.time(partial, rep, nbytes, bucketed=True) \
             == pytest.approx(sync * nbytes / BUCKET_BYTES)
         step = fast_rc.steps(partial, rep, nbytes)[0]
@@ -417,10 +415,34 @@ def test_each_collective_pays_the_sync_latency_once_bucketed_gradients_their_sha
         assert base.p2p_time(nbytes, 0) == base.collective_time("send_recv", nbytes, 0)
 
 
-def test_a_parameter_gathered_with_its_layer_pays_its_bytes_share_of_one_sync():
+def test_a_gather_share_scales_the_latencies_of_all_gathers_only():
+    """An all-gather riding in a layer's flat all-gather pays `gather_share` of one collective's
+    latency, launch overhead and sync latency, and all of its bandwidth term; other collectives of
+    the same edge (an all-reduce) pay in full. step_time and time agree."""
+    import autopar
+    from autopar.costmodel.comm import collective_time
+    from autopar.placement import P, R, S
+    from autopar.reshard import LAUNCH_FRACTION, ReshardCost
+    hw = dataclasses.replace(hardware.CPU, sync_latency=1e-3)
+    rc = ReshardCost(autopar.Mesh((4,), hardware=hw))
+    link = hw.link("intra", "all_gather")
+    nbytes, share = 1e6, 0.25
+    bandwidth_only = collective_time("all_gather", nbytes, 4, dataclasses.replace(link, latency=0.0))
+    whole = rc.time((S(0),), (R,), nbytes)
+    assert whole == pytest.approx(bandwidth_only + 3 * link.latency + LAUNCH_FRACTION * link.latency + 1e-3)
+    assert rc.time((S(0),), (R,), nbytes, gather_share=share) == pytest.approx(
+        bandwidth_only + share * (whole - bandwidth_only))
+    assert rc.time((P,), (R,), nbytes, gather_share=share) == rc.time((P,), (R,), nbytes)
+    for s in (1.0, share):
+        step, = rc.steps((S(0),), (R,), nbytes)
+        assert rc.step_time(step, gather_share=s) == pytest.approx(rc.time((S(0),), (R,), nbytes, gather_share=s))
+
+
+def test_a_parameter_gathered_with_its_layer_pays_its_share_of_one_collective():
     """passes/bucket_layer_gathers.py gathers a numbered layer's parameters in one collective: each
-    parameter's data edges carry its bytes over the layer's as `sync_share`; parameters outside the
-    numbered layers (embeddings, final norm) and activations pay a whole one."""
+    parameter's data edges carry max(its bytes over the layer's, 1 / the layer's parameter count) as
+    `gather_share`; parameters outside the numbered layers (embeddings, final norm) and activations
+    pay a whole one."""
     import autopar
     from autopar.canonicalize import canonicalize
     from autopar.capture import capture
@@ -433,20 +455,24 @@ def test_a_parameter_gathered_with_its_layer_pays_its_bytes_share_of_one_sync():
     prob = ProblemBuilder(captured, autopar.Mesh((2,), hardware="cpu")).build()
     params = {i: n for i, n in enumerate(prob.nodes) if n.meta.get("autopar_role") == "param"}
     totals: dict = {}
+    counts: dict = {}
     for n in params.values():
         layer = layer_of(n.meta["autopar_name"])
         totals[layer] = totals.get(layer, 0.0) + nbytes_of(val_of(n))
+        counts[layer] = counts.get(layer, 0) + 1
     assert len([k for k in totals if k is not None]) >= 2
-    seen_layer = seen_outside = 0
+    seen_bytes = seen_count = seen_outside = 0
     for e in prob.edges:
         if e.kind != "data":
             continue
         node = params.get(e.src)
         layer = None if node is None else layer_of(node.meta["autopar_name"])
         if layer is None:
-            assert e.sync_share == 1.0
+            assert e.gather_share == 1.0
             seen_outside += node is not None
         else:
-            assert e.sync_share == pytest.approx(e.nbytes / totals[layer]) and e.sync_share < 1
-            seen_layer += 1
-    assert seen_layer and seen_outside
+            by_bytes, by_count = e.nbytes / totals[layer], 1 / counts[layer]
+            assert e.gather_share == pytest.approx(max(by_bytes, by_count)) and e.gather_share < 1
+            seen_bytes += by_bytes > by_count
+            seen_count += by_count > by_bytes
+    assert seen_bytes and seen_count and seen_outside

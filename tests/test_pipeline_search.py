@@ -144,8 +144,11 @@ def test_llama3_70b_on_64_h100_fits_80gb():
     assert best.memory_per_device <= 80e9 and max(best.split.stage_memory) == best.memory_per_device
     assert len(res.layers) == 82 and sum(len(s) for s in best.stage_modules) == 82
     assert res.mesh.is_inter_node("pp") and not res.mesh.is_inter_node(res.mesh.axis_names[-1])
-    sizes = [len(s) for s in best.stage_modules]
-    assert max(sizes) - min(sizes) <= 3    # balanced by time: the end stages hold embedding / head
+    # balanced by time: no stage is slower than the average plus the largest unit (what the optimal
+    # contiguous split guarantees), with 1% for its point-to-point sends. The split is free among
+    # splits of the same slowest stage: with a light first stage it holds fewer in-flight activations.
+    units = [u.forward + u.backward for u in res.layers]
+    assert max(best.split.stage_times) <= 1.01 * (sum(units) / 8 + max(units))
 
 
 def test_pruned_search_finds_the_exhaustive_best_and_runners_up():

@@ -67,6 +67,22 @@ def test_mode_label_tells_tp_from_zero3():
     z3 = ParamPlacement("w", (8, 8), ("R",), ("S0",), ("S0",), ("shard",))
     assert mode_label(tp, 0) == "tp" and mode_label(z3, 0) == "zero3"
     assert mode_label(dataclasses.replace(tp, modes=("zero1",)), 0) == "zero1"
+    # what the forward pass does decides, where the plan records it: a shard gathered whole is ZeRO-3
+    assert mode_label(dataclasses.replace(tp, read_sharded=(False,)), 0) == "zero3"
+    assert mode_label(dataclasses.replace(z3, read_sharded=(True,)), 0) == "tp"
+
+
+def test_zero3_weights_read_as_zero3_and_tp_weights_as_tp(dp_tp):
+    """A zero3 plan's weights are shards the forward pass gathers whole; a tp plan computes on its
+    weight matrices' shards. The summary and explain say so, and the JSON round trip keeps it."""
+    z3, tp = tiny_gpt(2, "zero3"), dp_tp[1]
+    assert {mode_label(p, 0) for p in z3.params.values() if p.modes[0] == "shard"} == {"zero3"}
+    assert "(weights 100% zero3)" in z3.summary(rich=False)
+    assert "S0 (tp)" not in z3.summary(rich=False)
+    loaded = Plan.from_json(z3.to_json())
+    assert loaded.params == z3.params and "mode zero3" in loaded.explain("transformer.h.0.mlp.c_fc.weight")
+    matrices = [p for p in tp.params.values() if len(p.shape) == 2 and p.modes[0] == "shard"]
+    assert matrices and all(mode_label(p, 0) == "tp" for p in matrices)
 
 
 def test_summary_with_stages_shows_stage_and_bubble(plan4):
