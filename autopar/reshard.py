@@ -10,7 +10,7 @@ reorder); between a strided and any other shard it goes through Replicate: all_g
 Axes are processed in mesh order and B follows the tensor as each axis changes (a gather on axis 0
 makes the message on axis 1 larger). `steps()` lists the collectives, `time()` sums them.
 
-Three refinements of plain alpha-beta, the first two mirrored by the runtime:
+Four refinements of plain alpha-beta, the first two mirrored by the runtime:
   * gradient collectives are bucketed (BUCKET_BYTES, as DDP/FSDP do): a gradient of B bytes pays
     min(1, B / BUCKET_BYTES) of one collective's latency, so 100 small biases do not cost 100 alphas;
   * parameters of one layer are all-gathered in one collective per phase
@@ -18,8 +18,9 @@ Three refinements of plain alpha-beta, the first two mirrored by the runtime:
     parameter's data edge pay the caller's `gather_share` of one collective's latency, launch
     overhead and sync latency (autopar/costing.py: the parameter's bytes over the layer's, at least
     one over the layer's parameter count);
-  * every other collective also pays a launch overhead of LAUNCH_FRACTION * alpha, which breaks
-    ties towards fewer collectives (one all_reduce rather than reduce_scatter + all_gather);
+  * every collective but a bucketed gradient also pays a launch overhead of LAUNCH_FRACTION * alpha
+    (a gathered parameter its share), which breaks ties towards fewer collectives (one all_reduce
+    rather than reduce_scatter + all_gather);
   * each collective pays the hardware's `sync_latency` once: what a blocking collective adds when
     the ranks reach it from compute rather than back to back as calibration times alpha (CPU/gloo:
     ~1 ms); a bucketed gradient pays min(1, B / BUCKET_BYTES) of it, as of alpha, a gathered
