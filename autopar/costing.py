@@ -285,7 +285,7 @@ class ProblemBuilder:
                 layer = param_layer.get(producer)
                 share = max(nbytes / layer_bytes[layer], 1.0 / layer_count[layer]) if layer else 1.0
                 prob.edges.append(EdgeInfo(prob.index[producer], out, dst, pos, nbytes, "data", no_reduce=node in tails,
-                                           gather_share=min(share, 1.0)))
+                                           gather_share=share))
 
     def _grad_edges(self, prob: Problem) -> None:
         for name, g in self.captured.grad_nodes.items():
