@@ -144,7 +144,8 @@ def restriction(gm: fx.GraphModule, recipes: tuple[str, ...], axis_sizes: tuple[
 
     def allowed(node: fx.Node, strategies: list) -> list:
         # identical layers share one strategy list: filter it once per batch placement (and, for
-        # parameters and inputs, whose filter reads the shape, once per shape)
+        # parameters and inputs, whose filter reads the shape, once per shape; under tp, once per
+        # pattern of which inputs are weight matrices or their views)
         key = (id(strategies), tuple(batch[a].get(node) for a, r in enumerate(recipes) if r != "auto"),
                tuple(val_of(node).shape) if node.op == "placeholder" else None,
                tuple(tuple(a in w for a in node.all_input_nodes) for w in weights.values()))
