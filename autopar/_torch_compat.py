@@ -82,8 +82,12 @@ def core_decompositions() -> Mapping:
 
 
 # Fused kernels kept whole (autopar has sharding rules for them): decomposed, GELU's and layer
-# norm's backward become ~50 elementwise ops per layer, measured +100 ms/step on a 4-layer GPT.
-KEEP_FUSED = {"aten::gelu", "aten::gelu_backward", "aten::native_layer_norm_backward"}
+# norm's backward become ~50 elementwise ops per layer, measured +100 ms/step on a 4-layer GPT; a
+# decomposed (log-)softmax backward is four passes over the logits (exp, mul, sum, sub) where the
+# kernel makes one, and a decomposed cross-entropy backward three (fill, copy for the scatter, mul)
+# where the kernel fills and scatters.
+KEEP_FUSED = {"aten::gelu", "aten::gelu_backward", "aten::native_layer_norm_backward",
+              "aten::_log_softmax_backward_data", "aten::_softmax_backward_data", "aten::nll_loss_backward"}
 
 
 def trace_joint(fn: Callable, flat_args: list, decompose: bool) -> torch.fx.GraphModule:

@@ -4,7 +4,10 @@ A recipe names, per mesh axis, what that axis may do:
     dp / zero1 / zero2 / zero3   activations split along the batch (the placement the batch split
                                  propagates to each op: Shard(batch dim), Partial for weight
                                  gradients, Replicate for parameter-only values); parameters in mode
-                                 dp / zero1 / zero2 / shard(ZeRO dim) on that axis.
+                                 dp / zero1 / zero2 / shard(ZeRO dim) on that axis. A value computed
+                                 from the inputs alone (every rank has the whole batch) may also be
+                                 whole: a loss's count of non-ignored targets is then computed on
+                                 every rank instead of all-reduced in the middle of the step.
     tp                           inputs replicated, no op split along the batch; weight matrices
                                  shard and read as shards, never gathered whole (the solver picks
                                  Megatron's column/row splits); vectors dp or shard.
@@ -50,13 +53,16 @@ def batch_propagation(gm: fx.GraphModule, n: int = 2, signatures: dict | None = 
 
     Parameters and buffers start Replicate; each op takes the rule strategy that accepts its inputs'
     placements (a Replicate input may be sliced to a Shard for free) preferring Shard, then Partial,
-    then Replicate outputs. Multi-output ops map to the tuple of output placements.
+    then Replicate outputs. Multi-output ops map to the tuple of output placements. A value computed
+    from the inputs alone is Replicate where the split would make it Partial: every rank has the whole
+    batch, so it computes the sum (a loss's count of targets) itself instead of all-reducing it.
     The choice depends only on the op's signature (`StrategyEnumerator.signature`, computed here when
     `signatures` lacks the node) and its inputs' placements, so it is made once per such pair.
     """
     enum = StrategyEnumerator((n,))
     memo: dict[tuple, object] = {}
     place: dict[fx.Node, object] = {}
+    whole = _inputs_only(gm)
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             v = val_of(node)
@@ -72,7 +78,16 @@ def batch_propagation(gm: fx.GraphModule, n: int = 2, signatures: dict | None = 
             if key not in memo:
                 memo[key] = _best(enum, node, have)
             place[node] = memo[key]
+            if node in whole:  # a reduction of the inputs alone (a count of targets): computed whole
+                place[node] = whole_not_partial(place[node])
     return place
+
+
+def whole_not_partial(outs):
+    """A placement (or tuple of them) with Partial replaced by Replicate."""
+    if isinstance(outs, tuple):
+        return tuple(R if p is not None and is_partial(p) else p for p in outs)
+    return R if is_partial(outs) else outs
 
 
 def _signature(node: fx.Node) -> str:
@@ -117,6 +132,7 @@ def restriction(gm: fx.GraphModule, recipes: tuple[str, ...], axis_sizes: tuple[
             propagated[axis_sizes[axis]] = batch_propagation(gm, axis_sizes[axis], signatures)
     batch = {axis: propagated[axis_sizes[axis]] for axis, r in enumerate(recipes) if r != "auto"}
     weights = {axis: _weight_views(gm, axis_sizes[axis]) for axis, r in enumerate(recipes) if r == "tp"}
+    whole = {axis: _computed_whole(gm, batch[axis]) for axis in batch}
 
     def ok(node: fx.Node, strat, axis: int, recipe: str) -> bool:
         outs = strat.outs
@@ -138,7 +154,7 @@ def restriction(gm: fx.GraphModule, recipes: tuple[str, ...], axis_sizes: tuple[
             return all(not (w is not None and is_shard(w) and g == w) for g, w in zip(got, want)) and \
                 (node.op != "placeholder" or got[0] == R) and \
                 all(is_shard(spec[axis]) for a, spec in zip(node.all_input_nodes, strat.ins) if a in weights[axis])
-        return got == want
+        return got == want or (node in whole[axis] and all(g in (None, R) for g in got))
 
     memo: dict[tuple, tuple[list, list]] = {}
 
@@ -148,7 +164,8 @@ def restriction(gm: fx.GraphModule, recipes: tuple[str, ...], axis_sizes: tuple[
         # pattern of which inputs are weight matrices or their views)
         key = (id(strategies), tuple(batch[a].get(node) for a, r in enumerate(recipes) if r != "auto"),
                tuple(val_of(node).shape) if node.op == "placeholder" else None,
-               tuple(tuple(a in w for a in node.all_input_nodes) for w in weights.values()))
+               tuple(tuple(a in w for a in node.all_input_nodes) for w in weights.values()),
+               tuple(node in w for w in whole.values()))
         if key in memo:
             return memo[key][1]
         keep = [s for s in strategies if all(ok(node, s, a, r) for a, r in enumerate(recipes) if r != "auto")]
@@ -177,6 +194,40 @@ def _weight_views(gm: fx.GraphModule, n: int) -> set[fx.Node]:
         elif is_view_like(node) and node.all_input_nodes and node.all_input_nodes[0] in out:
             out.add(node)
     return out
+
+
+def _inputs_only(gm: fx.GraphModule) -> set[fx.Node]:
+    """The user inputs and the values computed from them alone (no parameter, buffer or gradient
+    among their ancestors): every rank holds the whole batch, so these may be computed whole."""
+    out: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if node.meta.get("autopar_role") == "input":
+                out.add(node)
+        elif node.op == "call_function" and node.all_input_nodes and all(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+def _computed_whole(gm: fx.GraphModule, place: dict) -> set[fx.Node]:
+    """What a batch recipe may compute whole (Replicate): the reductions of the inputs alone that
+    `batch_propagation` made whole (a Replicate value from a split one, such as a count of targets)
+    and the input values they read. Nothing else: an input no such reduction reads stays split, so
+    no rank holds (or moves to its device) more of the batch than its share."""
+    inputs_only = _inputs_only(gm)
+    out: set[fx.Node] = set()
+    stack = [n for n in inputs_only if n.op == "call_function" and _whole(place.get(n))
+             and any(is_shard(place.get(a)) for a in n.all_input_nodes if not isinstance(place.get(a), tuple))]
+    while stack:
+        node = stack.pop()
+        if node not in out:
+            out.add(node)
+            stack.extend(a for a in node.all_input_nodes if a in inputs_only)
+    return out
+
+
+def _whole(p) -> bool:
+    return all(q is None or q == R for q in p) if isinstance(p, tuple) else p == R
 
 
 def _zero_ok(node: fx.Node, n: int) -> bool:

@@ -25,6 +25,7 @@ import torch
 import autopar
 import models
 from autopar.errors import InputError
+from autopar.passes.ops import wait_buckets
 from autopar.precision import MixedPrecision, resolve
 from dist_cases import EPS, train_steps
 from dist_utils import run_distributed
@@ -88,6 +89,8 @@ def _cast_dtype(x) -> str:
     while x.target is not torch.ops.aten._to_copy.default and "val" not in x.meta:
         if x.target is operator.getitem and "autopar_fused" in x.args[0].meta:
             x = x.args[0].args[0][x.args[1]]  # one tensor of a fused bucket
+        elif x.target is operator.getitem and x.args[0].target is wait_buckets:
+            x = x.args[0].args[0].args[0][x.args[1]]  # result k of an overlapped bucket: its k-th input
         else:
             x = x.all_input_nodes[0]  # contiguous / permute-copy / wait / collective: born local
     if x.target is torch.ops.aten._to_copy.default and "dtype" in x.kwargs:

@@ -121,10 +121,27 @@ def test_shared_pruning_and_propagation_equal_per_node_results(tiny_problem):
     assert [[str(s) for s in lst] for lst in shared] == [[str(s) for s in lst] for lst in alone]
     with_sigs = recipes.batch_propagation(captured.gm, 2, prob.signatures)
     enum = recipes.StrategyEnumerator((2,))
+    whole = recipes._inputs_only(captured.gm)
     for node, place in with_sigs.items():
         if node.op == "call_function" and node in prob.signatures:
             have = [with_sigs.get(a, recipes.R) for a in node.all_input_nodes]
-            assert place == recipes._best(enum, node, have), node.name
+            best = recipes._best(enum, node, have)
+            assert place == (recipes.whole_not_partial(best) if node in whole else best), node.name
+
+
+@pytest.mark.parametrize("strategy", ["dp", "zero2"])
+def test_batch_recipes_count_the_targets_whole_and_keep_the_images_split(strategy):
+    """Under a batch recipe every rank counts the non-ignored labels of the whole batch itself (no
+    all-reduce of the count in mid-step: nothing moves in the forward), while the images, which no
+    such count reads, stay split: no rank holds more than its share of them."""
+    from autopar.capture import capture
+    case = models.ZOO_CASES["vit"]()
+    kw = {"loss_fn": case.loss_fn} if case.loss_fn else {}
+    pixels, labels = (n.name for n in capture(case.model, case.example_inputs, **kw).placeholders("input"))
+    plan = autopar.plan(case.model, case.example_inputs, mesh=autopar.Mesh((2,)), strategy=strategy,
+                        baselines=False, **kw)
+    assert plan.nodes[pixels].outs == (("S0",),) and plan.nodes[labels].outs == (("R",),)
+    assert not [c for c in plan.collectives if c.phase == "forward" and c.kind == "all_reduce"]
 
 
 def test_same_inputs_give_the_same_plan_byte_for_byte():

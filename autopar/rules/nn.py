@@ -29,6 +29,20 @@ def softmax_backward_rule(call: OpCall) -> list:
     return _except_dim(call, [g, y], normalize_dim(call.args[2], g.ndim))
 
 
+@register(aten.nll_loss_backward)
+def nll_loss_backward_rule(call: OpCall) -> list:
+    """(grad_output, log_probs (N, C), target (N,), weight, reduction, ignore_index, total_weight): split
+    the rows with their targets; the loss's gradient (a scalar, or per row without reduction), the class
+    weights and the total weight (the whole batch's count) are whole on every rank."""
+    g, x, target = call.args[0], call.args[1], call.args[2]
+    if x.ndim != 2 or x.shape[0] == 1:
+        return []
+    ins = {x.idx: S(0), target.idx: S(0)}
+    if g.ndim == 1:  # reduction="none": one gradient per row
+        ins[g.idx] = S(0)
+    return [call.strat(S(0), ins)]
+
+
 @register(aten.native_layer_norm)
 def layer_norm_rule(call: OpCall) -> list:
     """Shard the leading (non-normalized) dims; weight and bias stay replicated."""
