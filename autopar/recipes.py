@@ -4,10 +4,10 @@ A recipe names, per mesh axis, what that axis may do:
     dp / zero1 / zero2 / zero3   activations split along the batch (the placement the batch split
                                  propagates to each op: Shard(batch dim), Partial for weight
                                  gradients, Replicate for parameter-only values); parameters in mode
-                                 dp / zero1 / zero2 / shard(ZeRO dim) on that axis. A value computed
-                                 from the inputs alone (every rank has the whole batch) may also be
-                                 whole: a loss's count of non-ignored targets is then computed on
-                                 every rank instead of all-reduced in the middle of the step.
+                                 dp / zero1 / zero2 / shard(ZeRO dim) on that axis. A reduction of
+                                 the inputs alone (a loss's count of non-ignored targets) and the
+                                 inputs it reads may also be whole: every rank has the whole batch,
+                                 so it counts them itself instead of all-reducing mid-step.
     tp                           inputs replicated, no op split along the batch; weight matrices
                                  shard and read as shards, never gathered whole (the solver picks
                                  Megatron's column/row splits); vectors dp or shard.
