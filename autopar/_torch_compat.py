@@ -31,7 +31,6 @@ __all__ = [
     "StridedShard",
     "strided_shard",
     "local_tensor",
-    "storage_users",
     "dtensor_spec",
     "dtensor_grad",
 ]
@@ -48,12 +47,6 @@ def strided_shard(dim: int, split_factor: int) -> _StridedShard:
 def local_tensor(dt: DTensor) -> torch.Tensor:
     """The local shard of `dt` itself, outside autograd (what `to_local()` views, minus its autograd node)."""
     return dt._local_tensor
-
-
-def storage_users(t: torch.Tensor) -> int:
-    """How many tensors (this one, its views, anything sharing its storage) hold `t`'s storage."""
-    storage = t.untyped_storage()
-    return torch._C._storage_Use_Count(storage._cdata) - 1  # less the `storage` object made here
 
 
 def dtensor_spec(dt: DTensor) -> DTensorSpec:

@@ -10,8 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar import _torch_compat as compat
-
 
 def redistribute(x: torch.Tensor, src: str, dst: str) -> torch.Tensor:
     """Placeholder semantics before lowering: valid only when every mesh axis has size 1."""
@@ -61,37 +59,10 @@ def _buckets(tensors: list[torch.Tensor]) -> list[list[int]]:
     return out
 
 
-# Flat gradient buffers kept from step to step on the CPU (`_gradient_buffer`), at most this many bytes.
-KEPT_BYTES = 256 * 2**20
-_kept: list[torch.Tensor] = []
-
-
-def _gradient_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A flat buffer for one gradient bucket, which the step's gradients will view. On the CPU, a buffer
-    of the same size from an earlier step whose gradients are gone (zero_grad(set_to_none=True)),
-    as DDP keeps its buckets: glibc hands a freed buffer this large back to the OS and page-faults a
-    new one in every step (1-2 ms per 13 MB here). A buffer is reused only when no tensor but the
-    kept one shares its storage: gradients still held (accumulation, set_to_none=False) or a bucket
-    in flight in this step (it holds a view) make a new one. Elsewhere (CUDA's caching allocator
-    already reuses memory) always a new buffer."""
-    if device.type == "cpu":
-        for kept in _kept:
-            if kept.numel() == numel and kept.dtype == dtype and compat.storage_users(kept) == 1:
-                return kept.view(-1)  # a view: holds the storage while this step uses it
-    flat = torch.empty(numel, dtype=dtype, device=device)
-    if device.type == "cpu" and numel * flat.element_size() <= KEPT_BYTES:
-        _kept.append(flat)
-        while sum(t.numel() * t.element_size() for t in _kept) > KEPT_BYTES:
-            _kept.pop(0)  # the oldest: tensors viewing it keep it alive, nothing else does
-        return flat.view(-1)
-    return flat
-
-
-def _flatten(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
-    """The tensors one after another in one flat buffer (`out`, else a new one): one copy each, also
-    of a transposed weight gradient (reshape(-1) + cat would copy it twice)."""
-    flat = out if out is not None else \
-        torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
+def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors one after another in one new flat buffer: one copy each, also of a transposed
+    weight gradient (reshape(-1) + cat would copy it twice)."""
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
     for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
         piece.view(t.shape).copy_(t)
     return flat
@@ -111,11 +82,7 @@ def start_all_reduce(tensors: list[torch.Tensor], op: str, group: str) -> InFlig
     The flat buffer is this op's own copy, so the reduction runs in place (no second copy)."""
     c10d = torch.ops._c10d_functional
     buckets = _buckets(tensors)
-    flats = []
-    for bucket in buckets:
-        members = [tensors[i] for i in bucket]
-        flat = _gradient_buffer(sum(t.numel() for t in members), members[0].dtype, members[0].device)
-        flats.append(c10d.all_reduce_(_flatten(members, out=flat), op, group))
+    flats = [c10d.all_reduce_(_flatten([tensors[i] for i in bucket]), op, group) for bucket in buckets]
     return InFlight(tuple(flats), tuple(map(tuple, buckets)), tuple(t.shape for t in tensors))
 
 

@@ -165,24 +165,3 @@ def test_overlapped_buckets_run_asynchronously_and_train_like_one_process(tmp_pa
     assert [r["async"] for r in results] == [[], []]
     assert [r["buckets"] for r in results] == [[], []]
     assert_matches([r["train"] for r in results], ref_losses, ref_state, [str(kw) for kw in kws])
-
-
-def test_cpu_gradient_buffers_are_reused_only_when_nothing_else_holds_them():
-    """A step's flat gradient buffer comes back in a later step once its gradients are gone, never
-    while a gradient (a view) or another bucket of the same step still holds it."""
-    from autopar.passes import ops
-    ops._kept.clear()
-    cpu = torch.device("cpu")
-    first = ops._gradient_buffer(1000, torch.float32, cpu)
-    ptr = first.data_ptr()
-    second = ops._gradient_buffer(1000, torch.float32, cpu)     # `first` in flight: a new buffer
-    assert second.data_ptr() != ptr
-    grad = first[10:20]                                          # a gradient viewing it outlives the step
-    del first
-    third = ops._gradient_buffer(1000, torch.float32, cpu)
-    assert third.data_ptr() not in (ptr, second.data_ptr())
-    del grad
-    again = ops._gradient_buffer(1000, torch.float32, cpu)       # nothing holds the first one now
-    assert again.data_ptr() == ptr
-    assert ops._gradient_buffer(999, torch.float32, cpu).data_ptr() not in (ptr, second.data_ptr(), third.data_ptr())
-    ops._kept.clear()
