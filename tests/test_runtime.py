@@ -126,6 +126,44 @@ def test_meta_model_materialises_only_local_shards():
     assert sharded, "zero3 shards parameters"
 
 
+def accumulated_gradients(rank, world, model, batches):
+    """Gradients summed over batches without zero_grad between them, then after zero_grad(set_to_none=
+    False) and one more batch: full tensors, rank 0's. A dp step's gradients are views of its flat
+    bucket buffers; autograd must add the next step's into them, not the other way round."""
+    from dist_cases import private_copy
+    from autopar.runtime import autoparallelize
+    args, kwargs = batches[0]
+    pmodel = autoparallelize(private_copy(model), args, example_kwargs=kwargs or None, strategy="dp")
+    out = []
+    for b in (0, 1, 2):
+        pmodel.train_step(*batches[b][0], **batches[b][1])
+        out.append({n: p.grad.full_tensor().clone() for n, p in pmodel.named_parameters()})
+    for p in pmodel.parameters():
+        p.grad.zero_()
+    pmodel.train_step(*batches[0][0], **batches[0][1])
+    out.append({n: p.grad.full_tensor().clone() for n, p in pmodel.named_parameters()})
+    return out
+
+
+def test_gradients_accumulate_across_steps_without_zero_grad():
+    import copy
+    from dist_cases import _loss
+    case = MODELS["gpt"]()
+    batches = _batches(case)
+    got = run_distributed(accumulated_gradients, 2, case.model, batches, timeout=600)[0]
+    ref = copy.deepcopy(case.model)
+    want = []
+    for b in (0, 1, 2):
+        _loss(ref(*batches[b][0], **batches[b][1])).backward()
+        want.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+    ref.zero_grad(set_to_none=False)
+    _loss(ref(*batches[0][0], **batches[0][1])).backward()
+    want.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+    for step, (g, w) in enumerate(zip(got, want)):
+        for name, grad in w.items():
+            torch.testing.assert_close(g[name], grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"step {step} {name}: {m}")
+
+
 def test_backward_hands_each_parameter_its_own_gradient_tensor():
     """loss.backward() seeds 1, so gradients are passed on unscaled, but never one tensor twice
     (autograd may accumulate into p.grad in place)."""
