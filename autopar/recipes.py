@@ -132,7 +132,8 @@ def restriction(gm: fx.GraphModule, recipes: tuple[str, ...], axis_sizes: tuple[
             propagated[axis_sizes[axis]] = batch_propagation(gm, axis_sizes[axis], signatures)
     batch = {axis: propagated[axis_sizes[axis]] for axis, r in enumerate(recipes) if r != "auto"}
     weights = {axis: _weight_views(gm, axis_sizes[axis]) for axis, r in enumerate(recipes) if r == "tp"}
-    whole = {axis: _computed_whole(gm, batch[axis]) for axis in batch}
+    inputs_only = _inputs_only(gm)
+    whole = {axis: _computed_whole(inputs_only, batch[axis]) for axis in batch}
 
     def ok(node: fx.Node, strat, axis: int, recipe: str) -> bool:
         outs = strat.outs
@@ -209,12 +210,11 @@ def _inputs_only(gm: fx.GraphModule) -> set[fx.Node]:
     return out
 
 
-def _computed_whole(gm: fx.GraphModule, place: dict) -> set[fx.Node]:
-    """What a batch recipe may compute whole (Replicate): the reductions of the inputs alone that
-    `batch_propagation` made whole (a Replicate value from a split one, such as a count of targets)
-    and the input values they read. Nothing else: an input no such reduction reads stays split, so
-    no rank holds (or moves to its device) more of the batch than its share."""
-    inputs_only = _inputs_only(gm)
+def _computed_whole(inputs_only: set[fx.Node], place: dict) -> set[fx.Node]:
+    """What a batch recipe may compute whole (Replicate): the reductions of the inputs alone
+    (`inputs_only`) that `batch_propagation` made whole (a Replicate value from a split one, such as a
+    count of targets) and the input values they read. Nothing else: an input no such reduction reads
+    stays split, so no rank holds (or moves to its device) more of the batch than its share."""
     out: set[fx.Node] = set()
     stack = [n for n in inputs_only if n.op == "call_function" and _whole(place.get(n))
              and any(is_shard(place.get(a)) for a in n.all_input_nodes if not isinstance(place.get(a), tuple))]
