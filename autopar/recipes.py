@@ -155,7 +155,7 @@ def restriction(gm: fx.GraphModule, recipes: tuple[str, ...], axis_sizes: tuple[
             return all(not (w is not None and is_shard(w) and g == w) for g, w in zip(got, want)) and \
                 (node.op != "placeholder" or got[0] == R) and \
                 all(is_shard(spec[axis]) for a, spec in zip(node.all_input_nodes, strat.ins) if a in weights[axis])
-        return got == want or (node in whole[axis] and all(g in (None, R) for g in got))
+        return got == want or (node in whole[axis] and _whole(got))
 
     memo: dict[tuple, tuple[list, list]] = {}
 
