@@ -22,6 +22,7 @@ from torch.distributed.tensor import distribute_tensor
 from autopar import _torch_compat as compat
 from autopar import checkpoint, errors, precision
 from autopar.canonicalize import canonicalize
+from autopar.cpu_memory import keep_freed_memory
 from autopar.capture import capture
 from autopar.errors import DeviceError, InputError, MeshError
 from autopar.materialize import is_meta, stream_tensors
@@ -127,6 +128,8 @@ def autoparallelize(model: nn.Module, example_inputs: tuple, *, mesh=None, strat
     `device`: "cpu" (gloo), "cuda" (NCCL) or None (CUDA when this machine has it).
     """
     _, world = _init_distributed(device)
+    if _device_type() == "cpu":
+        keep_freed_memory()  # else glibc page-faults every step's activations in again (autopar/cpu_memory.py)
     if mesh is None:
         mesh = Mesh((world,), hardware="cpu" if _device_type() == "cpu" else "h100")
     elif not isinstance(mesh, Mesh):
