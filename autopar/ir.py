@@ -47,7 +47,8 @@ COLLECTIVES = {c10d.all_gather_into_tensor.default, c10d.all_reduce.default, c10
 
 
 # nodes born local: no global val
-LOCAL_PASSES = ("lower_collectives", "bucket_collectives", "bucket_layer_gathers", "schedule_overlap")
+LOCAL_PASSES = ("lower_collectives", "bucket_collectives", "bucket_layer_gathers", "schedule_overlap",
+                "grads_into_buckets")
 
 
 class IRError(AssertionError):
@@ -67,6 +68,7 @@ def verify(gm: fx.GraphModule, stage: str, ctx=None) -> None:
         "schedule_overlap": (_captured, _lowered),
         "localize_shapes": (_captured, _lowered, _local),
         "fuse_addmm": (_captured, _lowered, _local),
+        "grads_into_buckets": (_captured, _lowered, _local),
     }
     if stage not in checks:
         raise ValueError(f"unknown stage {stage!r}; one of {list(checks)}")

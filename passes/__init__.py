@@ -21,6 +21,7 @@ from .bucket_collectives import bucket_collectives_pass
 from .bucket_layer_gathers import bucket_layer_gathers_pass
 from .context import PassContext
 from .fuse_addmm import fuse_addmm_pass
+from .grads_into_buckets import grads_into_buckets_pass
 from .insert_redistribute import insert_redistribute_pass
 from .localize_shapes import localize_shapes_pass
 from .lower_collectives import lower_collectives_pass
@@ -37,12 +38,14 @@ PIPELINE = (
     ("schedule_overlap", schedule_overlap_pass),        # gradient buckets start in the backward, waited at the end
     ("localize_shapes", localize_shapes_pass),          # global size arguments -> local
     ("fuse_addmm", fuse_addmm_pass),                    # mm + bias add left together -> addmm (as eager)
+    ("grads_into_buckets", grads_into_buckets_pass),    # weight gradients computed into their bucket's buffer
 )
 
 
 # Passes the program is correct without (they change memory or speed, not numbers); the only ones
 # AUTOPAR_DISABLE_PASSES may name.
-OPTIONAL = frozenset({"recompute", "bucket_collectives", "bucket_layer_gathers", "schedule_overlap", "fuse_addmm"})
+OPTIONAL = frozenset({"recompute", "bucket_collectives", "bucket_layer_gathers", "schedule_overlap", "fuse_addmm",
+                      "grads_into_buckets"})
 
 
 def env_disabled() -> frozenset:
@@ -107,4 +110,5 @@ def _dump(folder: str, fname: str, gm: fx.GraphModule) -> None:
 
 __all__ = ["PIPELINE", "OPTIONAL", "PassContext", "run_passes", "env_disabled", "describe", "emitted_collectives", "apply_plan_pass", "insert_redistribute_pass",
            "lower_collectives_pass", "bucket_collectives_pass", "bucket_layer_gathers_pass",
-           "localize_shapes_pass", "recompute_pass", "schedule_overlap_pass", "fuse_addmm_pass"]
+           "localize_shapes_pass", "recompute_pass", "schedule_overlap_pass", "fuse_addmm_pass",
+           "grads_into_buckets_pass"]

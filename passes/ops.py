@@ -77,12 +77,43 @@ class InFlight:
     shapes: tuple[torch.Size, ...]
 
 
-def start_all_reduce(tensors: list[torch.Tensor], op: str, group: str) -> InFlight:
+def bucket_buffer(numel: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """A flat gradient bucket allocated before its gradients are computed, so that `mm_into` can
+    write them into their slots (passes/grads_into_buckets.py)."""
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+def mm_into(a: torch.Tensor, b: torch.Tensor, flat: torch.Tensor, offset: int) -> torch.Tensor:
+    """mm(a, b) written straight into flat[offset:offset + m*n], its slot of a gradient bucket; the
+    slot viewed as (m, n). The same BLAS call as mm, writing elsewhere."""
+    m, n = a.shape[0], b.shape[1]
+    return torch.mm(a, b, out=flat[offset:offset + m * n].view(m, n))
+
+
+def _fill(flat: torch.Tensor, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """`flat` (a `bucket_buffer`) holding the tensors one after another: those `mm_into` computed in
+    their slot are there already, the others are copied in."""
+    sizes = [t.numel() for t in tensors]
+    assert flat.numel() == sum(sizes), "grads_into_buckets laid the bucket out for other local sizes"
+    for t, piece in zip(tensors, flat.split(sizes)):
+        slot = piece.view(t.shape)
+        if t.is_set_to(slot):
+            continue  # computed in its slot (same storage, offset, sizes and strides)
+        slot.copy_(t)  # (copy_ refuses a source overlapping its slot any other way)
+    return flat
+
+
+def start_all_reduce(tensors: list[torch.Tensor], op: str, group: str, into: torch.Tensor | None = None) -> InFlight:
     """Start all-reducing many tensors as few flat buckets (one collective each); returns at once.
-    The flat buffer is this op's own copy, so the reduction runs in place (no second copy)."""
+    The flat buffer is this op's own copy, so the reduction runs in place (no second copy). With
+    `into` (a `bucket_buffer`), the tensors go as one bucket in that buffer, where some already are."""
     c10d = torch.ops._c10d_functional
-    buckets = _buckets(tensors)
-    flats = [c10d.all_reduce_(_flatten([tensors[i] for i in bucket]), op, group) for bucket in buckets]
+    if into is not None:
+        buckets = [list(range(len(tensors)))]
+        flats = [c10d.all_reduce_(_fill(into, tensors), op, group)]
+    else:
+        buckets = _buckets(tensors)
+        flats = [c10d.all_reduce_(_flatten([tensors[i] for i in bucket]), op, group) for bucket in buckets]
     return InFlight(tuple(flats), tuple(map(tuple, buckets)), tuple(t.shape for t in tensors))
 
 
@@ -124,6 +155,7 @@ def fused_reduce_scatter(tensors: list[torch.Tensor], op: str, n: int, group: st
 
 
 start_all_reduce.__module__ = start_reduce_scatter.__module__ = wait_buckets.__module__ = "autopar.passes.ops"
+bucket_buffer.__module__ = mm_into.__module__ = "autopar.passes.ops"
 InFlight.__module__ = "autopar.passes.ops"
 fused_all_reduce.__module__ = fused_reduce_scatter.__module__ = "autopar.passes.ops"
 

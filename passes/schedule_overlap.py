@@ -37,24 +37,29 @@ COPIES = (contiguous, torch.ops.aten._to_copy.default)
 START = {fused_all_reduce: start_all_reduce, fused_reduce_scatter: start_reduce_scatter}
 
 
-def _local_bytes(node: fx.Node, ctx: PassContext) -> int:
-    """This rank's bytes of a collective's input: the planned local shape of the value it copies
-    (through contiguous / dtype casts, whose dtype counts); 0 where no node says (sizes only steer
-    the cut: the start ops bucket by the real tensors)."""
+def local_numel_dtype(node: fx.Node, ctx: PassContext) -> tuple[int, torch.dtype] | None:
+    """This rank's element count and dtype of a collective's input: the planned local shape of the
+    value it copies (through contiguous / dtype casts, whose dtype counts); None where no node says."""
     dtype = None
     while "autopar_outs" not in node.meta or "val" not in node.meta:
         if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
-            return 0
+            return None
         if node.target is torch.ops.aten._to_copy.default and dtype is None:
             dtype = node.kwargs.get("dtype")
         elif node.target is not contiguous and node.target is not torch.ops.aten._to_copy.default:
-            return 0
+            return None
         node = node.args[0]
     val, spec = node.meta["val"], node.meta["autopar_outs"][0]
     if not isinstance(val, torch.Tensor) or spec is None:
-        return 0
-    numel = torch.Size(local_shape(spec, tuple(val.shape), ctx.axis_sizes)).numel()
-    return numel * (dtype or val.dtype).itemsize
+        return None
+    return torch.Size(local_shape(spec, tuple(val.shape), ctx.axis_sizes)).numel(), dtype or val.dtype
+
+
+def _local_bytes(node: fx.Node, ctx: PassContext) -> int:
+    """This rank's bytes of a collective's input; 0 where no node says (sizes only steer the cut:
+    the start ops bucket by the real tensors)."""
+    found = local_numel_dtype(node, ctx)
+    return 0 if found is None else found[0] * found[1].itemsize
 
 
 def _cut(members: list[int], sizes: list[int]) -> list[list[int]]:
