@@ -6,16 +6,17 @@ up to 64 and 32 MiB). A training step allocates its activations, frees them, and
 sizes again in the next step; once a step's frees leave more than the trim threshold at the top of
 the heap, every step hands those pages back and faults each one in again, zero-filled by the kernel.
 autopar's step frees its activations as one graph, in an order that does exactly this: the step_time
-GPT (4 layers x 256, 2 ranks, dp), alone in its process, faulted 15-20 thousand pages (60-80 MB) per
-step and spent 36-41 ms of kernel time on them: 353-376 ms per step against DDP's 309-339 ms (whose
-autograd order happens not to trim), 308 ms with the thresholds below.
+GPT (4 layers x 256, 2 ranks, dp), alone in its process, faulted 19-20 thousand pages (~80 MB) per
+step and spent 36-40 ms of kernel time on them: 353-355 ms per step against DDP's 309-327 ms (whose
+order of frees mostly does not trim), 308-317 ms with the thresholds below.
 
 PyTorch keeps freed memory for the same reason on GPUs (the CUDA caching allocator), and its CPU
 launcher (`python -m torch.backends.xeon.run_cpu`) preloads jemalloc or tcmalloc configured never to
 return freed memory. `keep_freed_memory` is the glibc equivalent, applied once per process when
-autopar runs on CPU: M_MMAP_THRESHOLD 32 MiB (glibc's highest; larger tensors are still mapped per
-allocation, as by default) and M_TRIM_THRESHOLD 2 GiB - 1 (the largest `mallopt` takes). The cost is
-that the process keeps its peak heap, which a training job reaches again every step anyway.
+autopar runs on CPU: M_MMAP_THRESHOLD 1 GiB (32 MiB where an older glibc refuses more; larger tensors
+are still mapped per allocation, as by default) and M_TRIM_THRESHOLD 2 GiB - 1 (the largest `mallopt`
+takes). The cost is that the process keeps its peak heap, which a training job reaches again every
+step anyway.
 
 It leaves the allocator alone when the C library is not glibc, when AUTOPAR_KEEP_CPU_MEMORY=0, when
 the user tuned malloc already (MALLOC_*_ or a glibc.malloc tunable in the environment), and when
@@ -31,7 +32,7 @@ import platform
 log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's <malloc.h>
-MMAP_THRESHOLD = 32 * 2**20  # glibc's maximum (HEAP_MAX_SIZE / 2 on 64-bit)
+MMAP_THRESHOLDS = (2**30, 32 * 2**20)  # an older glibc may refuse more than HEAP_MAX_SIZE / 2 (32 MiB)
 TRIM_THRESHOLD = 2**31 - 1   # mallopt takes an int
 USER_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
@@ -68,6 +69,7 @@ def _apply() -> str:
         return "skipped: mallopt is not available"
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     # the mmap threshold first: setting either one turns glibc's adaptive thresholds off
-    if not (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
+    mmap = next((t for t in MMAP_THRESHOLDS if mallopt(M_MMAP_THRESHOLD, t)), None)
+    if mmap is None or not mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD):
         return "skipped: glibc refused the thresholds"
-    return f"set (glibc M_MMAP_THRESHOLD {MMAP_THRESHOLD >> 20} MiB, M_TRIM_THRESHOLD {TRIM_THRESHOLD >> 20} MiB)"
+    return f"set (glibc M_MMAP_THRESHOLD {mmap >> 20} MiB, M_TRIM_THRESHOLD {TRIM_THRESHOLD >> 20} MiB)"
