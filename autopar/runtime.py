@@ -261,6 +261,10 @@ class ParallelModule(nn.Module):
             tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
             for name in self._specs:
                 self._place(name, tensors[name].detach(), tensors[name].requires_grad)
+        # (module holding it, attribute name), looked up once: get_parameter walks the path on every
+        # call (the step_time GPT's 52 parameters: 0.48 ms a step)
+        self._param_owners = [_owner(self, n) for n in self._param_names]
+        self._buffer_owners = [_owner(self, n) for n in self._buffer_names]
 
     def _place(self, name: str, full: torch.Tensor, requires_grad: bool) -> None:
         dt = distribute_tensor(full.detach(), self.device_mesh, list(self._specs[name]))
@@ -289,8 +293,8 @@ class ParallelModule(nn.Module):
     def forward(self, *inputs, **kwargs) -> torch.Tensor:
         inputs = tuple(inputs) + tuple(kwargs[n] for n in self._input_names[len(inputs):] if n in kwargs)
         local_inputs = self._local_inputs(inputs)
-        params = [_get(self, n) for n in self._param_names]
-        bufs = [compat.local_tensor(_get(self, n)) for n in self._buffer_names]
+        params = [owner._parameters[leaf] for owner, leaf in self._param_owners]
+        bufs = [compat.local_tensor(owner._buffers[leaf]) for owner, leaf in self._buffer_owners]
         return _JointStep.apply(self, len(params), *params, *bufs, *local_inputs)
 
     def train_step(self, *inputs, **kwargs) -> torch.Tensor:
@@ -340,6 +344,11 @@ def _set(root: nn.Module, fqn: str, value, *, param: bool) -> None:
         mod.register_parameter(leaf, value)
     else:
         mod.register_buffer(leaf, value)
+
+
+def _owner(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    path, _, leaf = fqn.rpartition(".")
+    return root.get_submodule(path), leaf
 
 
 def _get(root: nn.Module, fqn: str):
