@@ -270,6 +270,29 @@ def _ratio(v: Variant, med: dict, natives: list[Variant]) -> str:
     return ""
 
 
+def _counterpart(v: Variant, variants: list[Variant]) -> Variant | None:
+    """The native variant an autopar variant is compared with (auto: the native with the least median)."""
+    natives = [n for n in variants if not n.name.startswith("autopar")]
+    if v.kind in NATIVE:
+        return next((n for n in natives if n.name == NATIVE[v.kind]), None)
+    return min(natives, key=lambda n: statistics.median(n.times)) if v.kind == "auto" and natives else None
+
+
+def paired(variants: list[Variant]) -> str:
+    """Each autopar variant's step k of a round against its counterpart's step k of the same round:
+    the two ran seconds apart, so load drift cancels, which comparing two medians does not do."""
+    lines = []
+    for v in (v for v in variants if v.name.startswith("autopar")):
+        n = _counterpart(v, variants)
+        if n is None or len(v.times) < 2:
+            continue
+        ratios = [a / b for a, b in zip(v.times, n.times)]
+        q1, med, q3 = statistics.quantiles(ratios, n=4)
+        lines.append(f"  {v.name:<15} / {n.name:<6} median {med:.3f} (q1-q3 {q1:.3f}-{q3:.3f}); autopar faster "
+                     f"in {sum(r < 1 for r in ratios)} of {len(ratios)} pairs")
+    return "paired steps (wall, same round and step index):\n" + "\n".join(lines) if lines else ""
+
+
 def report(variants: list[Variant]) -> str:
     med = {v.name: statistics.median(v.times) for v in variants}
     cpu = {v.name: statistics.median(v.cpu_times) for v in variants}
@@ -338,6 +361,7 @@ def main(argv=None) -> None:
                 timed_step(v, *batches[i % len(batches)])
     if rank == 0:
         print(report(variants))
+        print(paired(variants))
         print(f"load average (1, 5, 15 min) at the start: {load0}, at the end: {os.getloadavg()}")
         print("median s: slowest rank, barrier to barrier; cpu s: median CPU time of the slowest rank (what "
               "to compare on a loaded machine); optim: rank 0's AdamW step alone; predicted: the plan's "

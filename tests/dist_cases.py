@@ -151,3 +151,19 @@ def build_from_meta(rank, world, config, strategy, seed):
     assert all(p.is_meta for p in model.parameters()), "the user's model must stay on meta"
     return {"state": pmodel.full_state_dict(), "local": local,
             "params": {n: (p.shape, p.master) for n, p in pmodel.plan.params.items()}}
+
+
+def lowered_for_rank0_of_2(case, strategy, disabled=frozenset()):
+    """(plan, PassContext, program) of `case` = (model, inputs) planned for 2 ranks and rewritten by
+    the pass pipeline for rank 0, IR verified between passes; `disabled` switches passes off."""
+    import autopar
+    from autopar.canonicalize import canonicalize
+    from autopar.capture import capture
+    from autopar.passes import PassContext, run_passes
+    model, inputs = case
+    plan = autopar.plan(model, inputs, mesh=autopar.Mesh((2,)), strategy=strategy, baselines=False)
+    captured = capture(model, inputs)
+    canonicalize(captured.gm)
+    ctx = PassContext(plan, (2,), coords=(0,), group_names=("axis0",), grad_names=tuple(captured.grad_param_names),
+                      disabled=frozenset(disabled))
+    return plan, ctx, run_passes(captured.gm, ctx, verify=True)

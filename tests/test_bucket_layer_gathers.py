@@ -8,23 +8,19 @@ from collections import Counter
 import torch
 
 import autopar
-from autopar.canonicalize import canonicalize, is_view_like
-from autopar.capture import capture
+from autopar.canonicalize import is_view_like
 from autopar.costing import layer_of
-from autopar.passes import PIPELINE, PassContext, emitted_collectives, run_passes
+from autopar.passes import PIPELINE, PassContext, emitted_collectives
 from autopar.passes.bucket_layer_gathers import bucket_layer_gathers_pass
 from autopar.passes.ops import contiguous, dense_in_order, fused_all_gather
+from dist_cases import lowered_for_rank0_of_2
 
 c10d = torch.ops._c10d_functional
 
 
-def _lowered(model, inputs, strategy, disabled=frozenset()):
-    plan = autopar.plan(model, inputs, mesh=autopar.Mesh((2,)), strategy=strategy, baselines=False)
-    captured = capture(model, inputs)
-    canonicalize(captured.gm)
-    ctx = PassContext(plan, (2,), coords=(0,), group_names=("axis0",), grad_names=tuple(captured.grad_param_names),
-                      disabled=frozenset(disabled))
-    return plan, run_passes(captured.gm, ctx, verify=True)
+def _lowered(case, strategy, disabled=frozenset()):
+    plan, _, gm = lowered_for_rank0_of_2(case, strategy, disabled)
+    return plan, gm
 
 
 def _first_real_use(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -40,7 +36,7 @@ def _first_real_use(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 def test_zero3_gathers_one_flat_buffer_per_layer_and_phase(gpt_case):
     model, inputs = gpt_case
-    plan, gm = _lowered(*gpt_case, "zero3")
+    plan, gm = _lowered(gpt_case, "zero3")
     nodes = list(gm.graph.nodes)
     fused = [n for n in nodes if n.target is fused_all_gather]
     groups = Counter()
@@ -70,8 +66,8 @@ def test_zero3_gathers_one_flat_buffer_per_layer_and_phase(gpt_case):
 
 def test_fusing_changes_no_collective_and_no_computation(gpt_case):
     """With and without the pass: the same logical collectives and the same compute ops."""
-    plan, fused = _lowered(*gpt_case, "zero3")
-    _, plain = _lowered(*gpt_case, "zero3", disabled={"bucket_layer_gathers"})
+    plan, fused = _lowered(gpt_case, "zero3")
+    _, plain = _lowered(gpt_case, "zero3", disabled={"bucket_layer_gathers"})
     key = lambda c: (c["kind"], c["phase"], c["reason"], c["source"])  # noqa: E731
     assert sorted(map(key, emitted_collectives(fused))) == sorted(map(key, emitted_collectives(plain)))
     ops = lambda gm: Counter(str(n.target) for n in gm.graph.nodes  # noqa: E731
@@ -83,8 +79,10 @@ def test_fusing_changes_no_collective_and_no_computation(gpt_case):
 
 
 def test_a_plan_without_parameter_gathers_is_left_unchanged(gpt_case):
-    # fuse_addmm too: its invariants include localize_shapes' (local shapes), switched off here
-    _, gm = _lowered(*gpt_case, "dp", disabled={"bucket_layer_gathers", "localize_shapes", "fuse_addmm"})
+    # fuse_addmm and grads_into_buckets too: their invariants include localize_shapes' (local shapes),
+    # switched off here
+    _, gm = _lowered(gpt_case, "dp", disabled={"bucket_layer_gathers", "localize_shapes", "fuse_addmm",
+                                               "grads_into_buckets"})
     code = gm.code
     plan = autopar.plan(gpt_case[0], gpt_case[1], mesh=autopar.Mesh((2,)), strategy="dp", baselines=False)
     out = bucket_layer_gathers_pass(gm, PassContext(plan, (2,), coords=(0,), group_names=("axis0",)))

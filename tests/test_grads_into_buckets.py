@@ -13,26 +13,14 @@ import pytest
 import torch
 import torch.fx as fx
 
-import autopar
-from autopar.canonicalize import canonicalize
-from autopar.capture import capture
-from autopar.passes import OPTIONAL, PIPELINE, PassContext, emitted_collectives, run_passes
+from autopar.passes import OPTIONAL, PIPELINE, PassContext, emitted_collectives
 from autopar.passes.grads_into_buckets import grads_into_buckets_pass
 from autopar.passes.ops import _fill, _flatten, bucket_buffer, mm_into, start_all_reduce, wait_buckets
 from autopar.passes.schedule_overlap import local_numel_dtype
 from autopar.placement import replicated
+from dist_cases import lowered_for_rank0_of_2 as _lowered
 
 aten = torch.ops.aten
-
-
-def _lowered(case, strategy, disabled=frozenset()):
-    model, inputs = case
-    plan = autopar.plan(model, inputs, mesh=autopar.Mesh((2,)), strategy=strategy, baselines=False)
-    captured = capture(model, inputs)
-    canonicalize(captured.gm)
-    ctx = PassContext(plan, (2,), coords=(0,), group_names=("axis0",), grad_names=tuple(captured.grad_param_names),
-                      disabled=frozenset(disabled))
-    return plan, ctx, run_passes(captured.gm, ctx, verify=True)
 
 
 def _targets(gm) -> Counter:

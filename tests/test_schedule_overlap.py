@@ -8,29 +8,17 @@ from datetime import timedelta
 import pytest
 import torch
 
-import autopar
-from autopar.canonicalize import canonicalize, is_view_like
-from autopar.capture import capture
+from autopar.canonicalize import is_view_like
 from autopar.ir import IRError, verify
-from autopar.passes import PIPELINE, PassContext, emitted_collectives, run_passes
+from autopar.passes import PIPELINE, emitted_collectives
 from autopar.passes import schedule_overlap
 from autopar.passes.ops import dense_in_order, start_all_reduce, start_reduce_scatter, wait_buckets
-from dist_cases import assert_matches, train_many, train_reference
+from dist_cases import assert_matches, lowered_for_rank0_of_2 as _lowered, train_many, train_reference
 from dist_utils import run_distributed
 import models
 
 STARTS = (start_all_reduce, start_reduce_scatter)
 SMALL = dict(FIRST_BUCKET_BYTES=4096, BUCKET_BYTES=16384)  # many buckets on a tiny GPT
-
-
-def _lowered(case, strategy, disabled=frozenset()):
-    model, inputs = case
-    plan = autopar.plan(model, inputs, mesh=autopar.Mesh((2,)), strategy=strategy, baselines=False)
-    captured = capture(model, inputs)
-    canonicalize(captured.gm)
-    ctx = PassContext(plan, (2,), coords=(0,), group_names=("axis0",), grad_names=tuple(captured.grad_param_names),
-                      disabled=frozenset(disabled))
-    return plan, ctx, run_passes(captured.gm, ctx, verify=True)
 
 
 @pytest.mark.parametrize("strategy", ["dp", "zero3"])
