@@ -9,7 +9,9 @@ variants take turns (`--rounds` rounds of `--steps` timed steps each, after `--w
 steps) so that load from other processes on a shared machine hits them all alike. A step's time is
 the slowest rank's (all_reduce MAX), and the table shows the median over all timed steps, of wall
 time and of CPU time (process time: on an oversubscribed machine wall time mostly measures the other
-jobs, CPU time only this step's own work; a rank waiting in a collective sleeps).
+jobs, CPU time only this step's own work; a rank waiting in a collective sleeps). Below the table,
+"paired" sets each autopar step against its counterpart's step of the same round and index, seconds
+apart, so that load drift cancels: the median of those ratios and how many steps autopar won.
 
 autopar plans for this machine as measured by `autopar calibrate` in the same job (`--hardware`
 calibrate, the default; a preset name such as `cpu` or a saved profile instead): the choice of plan
