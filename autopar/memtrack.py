@@ -5,7 +5,8 @@ each value after its last use exactly as the generated code does, and after ever
 of the distinct storages still referenced. Counted: every value an op produced (activations, their
 gradients, recomputed copies, collective buffers). Not counted: storages of the placeholders
 (parameters, buffers, inputs) and of the program's outputs (the gradients handed to the optimizer
-and the loss), whose bytes the plan books as "params" and "grads". The figure compares with
+and the loss), whose bytes the plan books as "params" and "grads"; a gradient bucket's buffer
+(`grads_into_buckets`) is the storage of the gradients it returns, so it is not counted either. The figure compares with
 `Plan.memory_breakdown["activations"]`, which counts the values kept for backward; the transient
 values around the op that sets the peak come on top.
 """
@@ -67,7 +68,10 @@ class ActivationTracker(fx.Interpreter):
                               self._end_fwd)
 
     def run_node(self, n: fx.Node):
+        from autopar.passes.ops import bucket_buffer
         result = super().run_node(n)
+        if n.op == "call_function" and n.target is bucket_buffer:  # the returned gradients' storage
+            self._excluded.add(result.untyped_storage().data_ptr())
         live = self._live_bytes(n, result)
         if live > self._peak:
             self._peak, self._at = live, n

@@ -18,6 +18,11 @@ identity and nothing else reads it: the bucket's reduction runs in place, so a l
 slot would see the reduced value. Only all-reduce buckets (a reduce-scatter's slots are strided
 columns) whose members share one dtype and have known local sizes are laid out. The values and the
 collectives are unchanged; a graph without such a bucket is returned unchanged.
+
+Memory: the buffer lives from the bucket's first gradient instead of from its start, so up to one
+bucket (BUCKET_BYTES) is allocated earlier in the backward than the gradients it holds were, one by
+one, before (DDP keeps its buckets allocated for the whole run). The plan books every gradient whole
+under "grads", and `autopar.memtrack` counts the buffer as their storage, not as activations.
 """
 from __future__ import annotations
 

@@ -129,3 +129,19 @@ def test_fill_copies_only_what_is_not_in_its_slot():
         _fill(bucket_buffer(3, torch.float32, "cpu"), [bias, grad])
     with pytest.raises(RuntimeError, match="single memory location"):  # a slot seen transposed: refused
         _fill(flat[:14], [bias, flat[2:14].view(3, 4).t()])
+
+
+def test_memtrack_books_the_bucket_buffer_as_gradients_not_activations():
+    """The buffer is the storage of the gradients the program returns (the plan's "grads"), as the
+    flat buffer inside start_all_reduce was; only the activation counts."""
+    from autopar.memtrack import peak_activation_bytes
+    g = fx.Graph()
+    a, b = g.placeholder("a"), g.placeholder("b")
+    flat = g.call_function(bucket_buffer, (24, torch.float32, "cpu"))
+    grad = g.call_function(mm_into, (a, b, flat, 0))
+    act = g.call_function(aten.relu.default, (a,))  # the buffer is live here: a later gradient needs it
+    later = g.call_function(mm_into, (act, b, flat, 12))
+    g.output((grad, later, g.call_function(aten.sum.default, (act,))))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    peak = peak_activation_bytes(gm, torch.randn(4, 6), torch.randn(6, 3))
+    assert (peak.peak_bytes, peak.at_node) == (4 * 6 * 4, act.name)
