@@ -62,10 +62,8 @@ def _buckets(tensors: list[torch.Tensor]) -> list[list[int]]:
 def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The tensors one after another in one new flat buffer: one copy each, also of a transposed
     weight gradient (reshape(-1) + cat would copy it twice)."""
-    flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
-    for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
-        piece.view(t.shape).copy_(t)
-    return flat
+    return _fill(torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device),
+                 tensors)
 
 
 @dataclass(frozen=True)
@@ -91,8 +89,8 @@ def mm_into(a: torch.Tensor, b: torch.Tensor, flat: torch.Tensor, offset: int) -
 
 
 def _fill(flat: torch.Tensor, tensors: list[torch.Tensor]) -> torch.Tensor:
-    """`flat` (a `bucket_buffer`) holding the tensors one after another: those `mm_into` computed in
-    their slot are there already, the others are copied in."""
+    """`flat` holding the tensors one after another: those `mm_into` computed in their slot are there
+    already, the others are copied in."""
     sizes = [t.numel() for t in tensors]
     assert flat.numel() == sum(sizes), "grads_into_buckets laid the bucket out for other local sizes"
     for t, piece in zip(tensors, flat.split(sizes)):
