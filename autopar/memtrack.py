@@ -6,9 +6,9 @@ of the distinct storages still referenced. Counted: every value an op produced (
 gradients, recomputed copies, collective buffers). Not counted: storages of the placeholders
 (parameters, buffers, inputs) and of the program's outputs (the gradients handed to the optimizer
 and the loss), whose bytes the plan books as "params" and "grads"; a gradient bucket's buffer
-(`grads_into_buckets`) is the storage of the gradients it returns, so it is not counted either. The figure compares with
-`Plan.memory_breakdown["activations"]`, which counts the values kept for backward; the transient
-values around the op that sets the peak come on top.
+(`grads_into_buckets`) is the storage of the gradients it returns, so it is not counted either. The
+figure compares with `Plan.memory_breakdown["activations"]`, which counts the values kept for
+backward; the transient values around the op that sets the peak come on top.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from autopar.canonicalize import VIEW_OPS, packet
+from autopar.passes.ops import bucket_buffer
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,6 @@ class ActivationTracker(fx.Interpreter):
                               self._end_fwd)
 
     def run_node(self, n: fx.Node):
-        from autopar.passes.ops import bucket_buffer
         result = super().run_node(n)
         if n.op == "call_function" and n.target is bucket_buffer:  # the returned gradients' storage
             self._excluded.add(result.untyped_storage().data_ptr())

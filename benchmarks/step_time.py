@@ -263,29 +263,26 @@ def categories(events, steps: int) -> str:
     return "\n".join(lines + [f"{'total':<{width}}{sum(total.values()):>9.1f} ms  (own time per step, rank 0)"])
 
 
-def _ratio(v: Variant, med: dict, natives: list[Variant]) -> str:
-    if v.name.startswith("autopar") and v.kind in NATIVE and NATIVE[v.kind] in med:
-        return f"{med[v.name] / med[NATIVE[v.kind]]:.2f}x {NATIVE[v.kind]}"
-    if v.kind == "auto" and natives:
-        best = min(natives, key=lambda n: med[n.name])
-        return f"{med[v.name] / med[best.name]:.2f}x {best.name}"
-    return ""
-
-
-def _counterpart(v: Variant, variants: list[Variant]) -> Variant | None:
-    """The native variant an autopar variant is compared with (auto: the native with the least median)."""
-    natives = [n for n in variants if not n.name.startswith("autopar")]
+def _counterpart(v: Variant, natives: list[Variant], med: dict) -> Variant | None:
+    """The native variant an autopar variant is compared with (auto: the native with the least `med`)."""
     if v.kind in NATIVE:
         return next((n for n in natives if n.name == NATIVE[v.kind]), None)
-    return min(natives, key=lambda n: statistics.median(n.times)) if v.kind == "auto" and natives else None
+    return min(natives, key=lambda n: med[n.name]) if v.kind == "auto" and natives else None
+
+
+def _ratio(v: Variant, med: dict, natives: list[Variant]) -> str:
+    n = _counterpart(v, natives, med) if v.name.startswith("autopar") else None
+    return f"{med[v.name] / med[n.name]:.2f}x {n.name}" if n is not None else ""
 
 
 def paired(variants: list[Variant]) -> str:
     """Each autopar variant's step k of a round against its counterpart's step k of the same round:
     the two ran seconds apart, so load drift cancels, which comparing two medians does not do."""
+    natives = [n for n in variants if not n.name.startswith("autopar")]
+    medians = {v.name: statistics.median(v.times) for v in variants}
     lines = []
     for v in (v for v in variants if v.name.startswith("autopar")):
-        n = _counterpart(v, variants)
+        n = _counterpart(v, natives, medians)
         if n is None or len(v.times) < 2:
             continue
         ratios = [a / b for a, b in zip(v.times, n.times)]
