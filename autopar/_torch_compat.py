@@ -33,6 +33,7 @@ __all__ = [
     "local_tensor",
     "dtensor_spec",
     "dtensor_grad",
+    "has_grad_hooks",
 ]
 
 # DTensor's placement for a dim viewed as `split_factor` equal pieces, each sharded over the mesh axis
@@ -64,6 +65,11 @@ def dtensor_grad(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     else:
         spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=TensorMeta(meta.shape, tuple(stride), local.dtype))
     return DTensor(local, spec, requires_grad=False)
+
+
+def has_grad_hooks(t: torch.Tensor) -> bool:
+    """Whether a hook watches `t`'s gradient (`register_hook`, `register_post_accumulate_grad_hook`)."""
+    return bool(t._backward_hooks) or bool(getattr(t, "_post_accumulate_grad_hooks", None))
 
 
 def export_graph(module: torch.nn.Module, args: tuple) -> torch.fx.GraphModule:

@@ -32,6 +32,11 @@
                   local shape of its planned output spec.
     fuse_addmm    (same invariants) + add(mm, bias) pairs with no collective between them may be one
                   addmm node (the add's meta, meta["autopar_pass"] = "fuse_addmm").
+    grads_into_buckets
+                  (same invariants) + a start_all_reduce may take `into=` a bucket_buffer node that
+                  mm_into nodes (meta["autopar_into_bucket"]) wrote some of its members into.
+    tidy          (same invariants) + fewer nodes: permute pairs cancelled, view chains merged,
+                  duplicate pure nodes of one phase merged; every remaining node keeps its meta.
 """
 from __future__ import annotations
 
@@ -69,6 +74,7 @@ def verify(gm: fx.GraphModule, stage: str, ctx=None) -> None:
         "localize_shapes": (_captured, _lowered, _local),
         "fuse_addmm": (_captured, _lowered, _local),
         "grads_into_buckets": (_captured, _lowered, _local),
+        "tidy": (_captured, _lowered, _local),
     }
     if stage not in checks:
         raise ValueError(f"unknown stage {stage!r}; one of {list(checks)}")

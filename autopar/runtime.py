@@ -290,18 +290,48 @@ class ParallelModule(nn.Module):
             out.append(_local_slice(x, spec, self._coords, self._axis_sizes).contiguous().to(self._device))
         return out
 
-    def forward(self, *inputs, **kwargs) -> torch.Tensor:
+    def _step_args(self, inputs, kwargs) -> tuple[list, list]:
+        """(the DTensor parameters, the graph's other inputs: local buffers, then this rank's inputs)."""
         inputs = tuple(inputs) + tuple(kwargs[n] for n in self._input_names[len(inputs):] if n in kwargs)
         local_inputs = self._local_inputs(inputs)
         params = [owner._parameters[leaf] for owner, leaf in self._param_owners]
         bufs = [compat.local_tensor(owner._buffers[leaf]) for owner, leaf in self._buffer_owners]
-        return _JointStep.apply(self, len(params), *params, *bufs, *local_inputs)
+        return params, bufs + local_inputs
+
+    def forward(self, *inputs, **kwargs) -> torch.Tensor:
+        params, rest = self._step_args(inputs, kwargs)
+        return _JointStep.apply(self, len(params), *params, *rest)
 
     def train_step(self, *inputs, **kwargs) -> torch.Tensor:
-        """Forward and backward: returns the loss (same on every rank); gradients are left in p.grad."""
-        loss = self(*inputs, **kwargs)
-        loss.backward()
-        return loss.detach()
+        """Forward and backward: returns the loss (same on every rank); gradients are added to p.grad.
+
+        The graph computes the gradients along with the loss, so unless something watches the step
+        (`_backward_is_watched`) they go straight into p.grad, as loss.backward() would
+        put them, without the autograd round trip (_JointStep's backward, then AccumulateGrad detaching
+        each DTensor gradient through DTensor dispatch: about 0.8 ms a step for the step_time GPT's 52
+        parameters)."""
+        if self._backward_is_watched():
+            loss = self(*inputs, **kwargs)
+            loss.backward()
+            return loss.detach()
+        params, rest = self._step_args(inputs, kwargs)
+        with torch.no_grad():
+            outs = self.gm(*[compat.local_tensor(p) for p in params], *rest)
+            for p, gr in zip(params, _distinct(self.grads_by_param(outs[1:]))):
+                if gr is None or not p.requires_grad:
+                    continue
+                gr = compat.dtensor_grad(gr, compat.dtensor_spec(p))
+                if p.grad is None:
+                    p.grad = gr
+                else:
+                    p.grad.add_(gr)  # in place, as AccumulateGrad adds to an existing gradient
+        return outs[0].clone()  # not a view that keeps the loss's bucket buffer alive
+
+    def _backward_is_watched(self) -> bool:
+        """Grad mode off, a gradient hook on a parameter, or a forward/backward hook on this module
+        (or a global one): then train_step goes through `self(...)` and autograd, which run them."""
+        return (not torch.is_grad_enabled() or any(compat.module_hook_ids(self) + compat.module_hook_ids())
+                or any(compat.has_grad_hooks(owner._parameters[leaf]) for owner, leaf in self._param_owners))
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ from .localize_shapes import localize_shapes_pass
 from .lower_collectives import lower_collectives_pass
 from .recompute import recompute_pass
 from .schedule_overlap import schedule_overlap_pass
+from .tidy import tidy_pass
 
 PIPELINE = (
     ("apply_plan", apply_plan_pass),                    # plan -> node.meta specs
@@ -39,13 +40,14 @@ PIPELINE = (
     ("localize_shapes", localize_shapes_pass),          # global size arguments -> local
     ("fuse_addmm", fuse_addmm_pass),                    # mm + bias add left together -> addmm (as eager)
     ("grads_into_buckets", grads_into_buckets_pass),    # weight gradients computed into their bucket's buffer
+    ("tidy", tidy_pass),                                # permute pairs cancelled, view chains and duplicates merged
 )
 
 
 # Passes the program is correct without (they change memory or speed, not numbers); the only ones
 # AUTOPAR_DISABLE_PASSES may name.
 OPTIONAL = frozenset({"recompute", "bucket_collectives", "bucket_layer_gathers", "schedule_overlap", "fuse_addmm",
-                      "grads_into_buckets"})
+                      "grads_into_buckets", "tidy"})
 
 
 def env_disabled() -> frozenset:
@@ -111,4 +113,4 @@ def _dump(folder: str, fname: str, gm: fx.GraphModule) -> None:
 __all__ = ["PIPELINE", "OPTIONAL", "PassContext", "run_passes", "env_disabled", "describe", "emitted_collectives", "apply_plan_pass", "insert_redistribute_pass",
            "lower_collectives_pass", "bucket_collectives_pass", "bucket_layer_gathers_pass",
            "localize_shapes_pass", "recompute_pass", "schedule_overlap_pass", "fuse_addmm_pass",
-           "grads_into_buckets_pass"]
+           "grads_into_buckets_pass", "tidy_pass"]

@@ -79,10 +79,10 @@ def test_fusing_changes_no_collective_and_no_computation(gpt_case):
 
 
 def test_a_plan_without_parameter_gathers_is_left_unchanged(gpt_case):
-    # fuse_addmm and grads_into_buckets too: their invariants include localize_shapes' (local shapes),
-    # switched off here
+    # fuse_addmm, grads_into_buckets and tidy too: their invariants include localize_shapes' (local
+    # shapes), switched off here
     _, gm = _lowered(gpt_case, "dp", disabled={"bucket_layer_gathers", "localize_shapes", "fuse_addmm",
-                                               "grads_into_buckets"})
+                                               "grads_into_buckets", "tidy"})
     code = gm.code
     plan = autopar.plan(gpt_case[0], gpt_case[1], mesh=autopar.Mesh((2,)), strategy="dp", baselines=False)
     out = bucket_layer_gathers_pass(gm, PassContext(plan, (2,), coords=(0,), group_names=("axis0",)))

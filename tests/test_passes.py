@@ -95,8 +95,8 @@ def test_passes_with_nothing_to_do_leave_the_graph_unchanged():
     gm = PIPELINE[0][1](c.gm, ctx)
     before = gm.code
     for name, fn in PIPELINE[1:]:
-        if name == "fuse_addmm":  # not a distribution pass: it rejoins the split addmm at any world size
-            continue
+        if name in ("fuse_addmm", "tidy"):  # not distribution passes: they rejoin the split addmm and
+            continue                          # cancel capture's transposes at any world size
         gm = fn(gm, ctx)
         verify(gm, name, ctx)
         assert gm.code == before, name
@@ -165,6 +165,57 @@ def test_fuse_addmm_joins_only_an_mm_whose_sole_user_is_a_1d_bias_add():
     for got, ref in zip(gm(*args), want):
         torch.testing.assert_close(got, ref)
     assert fuse_addmm_pass(gm, None).code == gm.code  # nothing left to do
+
+
+def test_tidy_cancels_permute_pairs_merges_views_and_duplicates_with_the_same_values():
+    """Each rewrite on a hand-built graph: values unchanged, fewer nodes; random ops, other phases and
+    values a later in-place write may change are never merged; a tidy graph is left unchanged."""
+    from autopar.passes.tidy import tidy_pass
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w, labels):
+        wt = aten.permute.default(w, [1, 0])
+        wt2 = aten.permute.default(w, [1, 0])                                      # duplicate of wt
+        y = aten.mm.default(x, wt)
+        back = aten.mm.default(y, aten.permute.default(wt2, [1, 0]))                # permute pair -> w
+        p3 = aten.permute.default(aten.permute.default(x.view(2, 3, 4), [1, 0, 2]), [0, 2, 1])  # -> [1, 2, 0]
+        flat = aten.view.default(aten.view.default(y, [2, 3, 4]), [24])            # -> view(y, [24])
+        ne1, ne2 = aten.ne.Scalar(labels, -100), aten.ne.Scalar(labels, -100)     # merged
+        drop1, drop2 = aten.rand_like.default(y), aten.rand_like.default(y)        # random: kept apart
+        return back, p3, flat, ne1 & ne2, drop1, drop2
+
+    args = (torch.randn(6, 4), torch.randn(4, 4), torch.tensor([1, -100, 3]))
+    gm = make_fx(f)(*args)
+    for n in gm.graph.nodes:
+        n.meta["phase"] = "forward"
+    before = Counter(n.target for n in gm.graph.nodes if n.op == "call_function")
+    torch.manual_seed(0)
+    want = gm(*args)
+    gm = tidy_pass(gm, None)
+    after = Counter(n.target for n in gm.graph.nodes if n.op == "call_function")
+    assert after[aten.permute.default] == 2 and before[aten.permute.default] == 5, after  # wt, p3
+    assert after[aten.view.default] == 2 and after[aten.ne.Scalar] == 1 and after[aten.rand_like.default] == 2
+    (p3,) = [n for n in gm.graph.nodes if n.target is aten.permute.default and len(n.args[1]) == 3]
+    assert list(p3.args[1]) == [1, 2, 0]
+    torch.manual_seed(0)
+    for got, ref in zip(gm(*args), want):
+        assert torch.equal(got, ref)
+    assert tidy_pass(gm, None).code == gm.code  # nothing left to do
+
+    # duplicates of different phases, or reading a bucket buffer (written in place later), stay apart
+    from autopar.passes.ops import bucket_buffer, mm_into
+    graph = fx.Graph()
+    a, b = graph.placeholder("a"), graph.placeholder("b")
+    t_fwd = graph.call_function(aten.permute.default, (a, [1, 0]))
+    t_bwd = graph.call_function(aten.permute.default, (a, [1, 0]))
+    flat = graph.call_function(bucket_buffer, (16, torch.float32, "cpu"))
+    slot = graph.call_function(mm_into, (t_fwd, b, flat, 0))
+    v1, v2 = (graph.call_function(aten.view.default, (slot, [16])) for _ in range(2))
+    graph.output((t_fwd, t_bwd, v1, v2))
+    for node, phase in zip(graph.nodes, ["forward"] * 3 + ["backward"] * 5):
+        node.meta["phase"] = phase
+    gm = fx.GraphModule({}, graph)
+    assert tidy_pass(gm, None).code == gm.code
 
 
 # ------------------------------------------------------------------ lowering numerics on gloo ranks

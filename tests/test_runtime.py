@@ -142,7 +142,17 @@ def accumulated_gradients(rank, world, model, batches):
         p.grad.zero_()
     pmodel.train_step(*batches[0][0], **batches[0][1])
     out.append({n: p.grad.full_tensor().clone() for n, p in pmodel.named_parameters()})
-    return out
+    # train_step puts the graph's gradients into p.grad itself unless something watches the step; with a
+    # forward hook on the module it goes through self(...) and autograd, which run the hook
+    by_path, calls = [], []
+    for watch in (False, True):
+        pmodel.zero_grad(set_to_none=True)
+        handle = pmodel.register_forward_hook(lambda *a: calls.append(watch)) if watch else None
+        pmodel.train_step(*batches[1][0], **batches[1][1])
+        by_path.append({n: p.grad.full_tensor().clone() for n, p in pmodel.named_parameters()})
+        if handle is not None:
+            handle.remove()
+    return out, by_path, calls
 
 
 def test_gradients_accumulate_across_steps_without_zero_grad():
@@ -150,7 +160,12 @@ def test_gradients_accumulate_across_steps_without_zero_grad():
     from dist_cases import _loss
     case = MODELS["gpt"]()
     batches = _batches(case)
-    got = run_distributed(accumulated_gradients, 2, case.model, batches, timeout=600)[0]
+    got, (direct, through_autograd), calls = run_distributed(accumulated_gradients, 2, case.model, batches,
+                                                            timeout=600)[0]
+    assert calls == [True], "a forward hook on the module runs once per train_step"
+    assert direct.keys() == through_autograd.keys()
+    for name, grad in direct.items():  # the same graph's gradients, whichever way they reach p.grad
+        assert torch.equal(grad, through_autograd[name]), name
     ref = copy.deepcopy(case.model)
     want = []
     for b in (0, 1, 2):
