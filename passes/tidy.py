@@ -13,7 +13,8 @@ Four exact rewrites (the same values, sharing the same storage as before):
     dense_in_order(x, identity) -> x where x is a bucket's result (`wait_buckets` returns contiguous
                                   views): each gradient handed to the optimizer
 and the nodes left without users are dropped. A bucket's start then moves up to right after its last
-input, as `schedule_overlap` placed it (that input may now be computed earlier). The step_time GPT at 2 ranks (dp): 635 -> 498 nodes.
+input, as `schedule_overlap` placed it (that input may now be computed earlier). The step_time GPT at
+2 ranks (dp): 635 -> 498 nodes, each ~2.4 µs of `torch.ops` dispatch from Python per step.
 
 Duplicates are merged only within a phase (never a forward node kept alive for the backward, which a
 pipeline stage would have to ship) and not where anything in the program writes in place: a bucket
