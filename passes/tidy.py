@@ -123,8 +123,9 @@ def _freeze(value):
         return (type(value).__name__, *map(_freeze, value))
     if isinstance(value, dict):
         return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
-    if isinstance(value, (fx.Node, int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
-                          torch.memory_format)):
+    if isinstance(value, (int, float, bool)):
+        return type(value).__name__, value  # full(s, 1), full(s, 1.0) and full(s, True) differ in dtype
+    if isinstance(value, (fx.Node, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)):
         return value
     return ("id", id(value))  # anything else merges only with itself
 

@@ -181,8 +181,9 @@ def test_tidy_cancels_permute_pairs_merges_views_and_duplicates_with_the_same_va
         p3 = aten.permute.default(aten.permute.default(x.view(2, 3, 4), [1, 0, 2]), [0, 2, 1])  # -> [1, 2, 0]
         flat = aten.view.default(aten.view.default(y, [2, 3, 4]), [24])            # -> view(y, [24])
         ne1, ne2 = aten.ne.Scalar(labels, -100), aten.ne.Scalar(labels, -100)     # merged
+        ints, floats = aten.full.default([3], 1), aten.full.default([3], 1.0)     # other dtypes: kept apart
         drop1, drop2 = aten.rand_like.default(y), aten.rand_like.default(y)        # random: kept apart
-        return back, p3, flat, ne1 & ne2, drop1, drop2
+        return back, p3, flat, ne1 & ne2, drop1, drop2, ints, floats
 
     args = (torch.randn(6, 4), torch.randn(4, 4), torch.tensor([1, -100, 3]))
     gm = make_fx(f)(*args)
@@ -195,11 +196,12 @@ def test_tidy_cancels_permute_pairs_merges_views_and_duplicates_with_the_same_va
     after = Counter(n.target for n in gm.graph.nodes if n.op == "call_function")
     assert after[aten.permute.default] == 2 and before[aten.permute.default] == 5, after  # wt, p3
     assert after[aten.view.default] == 2 and after[aten.ne.Scalar] == 1 and after[aten.rand_like.default] == 2
+    assert after[aten.full.default] == 2
     (p3,) = [n for n in gm.graph.nodes if n.target is aten.permute.default and len(n.args[1]) == 3]
     assert list(p3.args[1]) == [1, 2, 0]
     torch.manual_seed(0)
     for got, ref in zip(gm(*args), want):
-        assert torch.equal(got, ref)
+        assert torch.equal(got, ref) and got.dtype == ref.dtype
     assert tidy_pass(gm, None).code == gm.code  # nothing left to do
 
     # duplicates of different phases, or reading a bucket buffer (written in place later), stay apart

@@ -148,6 +148,7 @@ def accumulated_gradients(rank, world, model, batches):
     for watch in (False, True):
         pmodel.zero_grad(set_to_none=True)
         handle = pmodel.register_forward_hook(lambda *a: calls.append(watch)) if watch else None
+        assert pmodel._backward_is_watched() == watch  # (the first round takes the direct path)
         pmodel.train_step(*batches[1][0], **batches[1][1])
         by_path.append({n: p.grad.full_tensor().clone() for n, p in pmodel.named_parameters()})
         if handle is not None:
