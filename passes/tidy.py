@@ -143,8 +143,8 @@ def _start_buckets_early(graph: fx.Graph) -> None:
     """Each bucket's start right after its last input again, as schedule_overlap placed it: an input
     that was a permute pair placed late is now the matmul itself, computed earlier (so a bucket of
     weight gradients may now start before the bucket of the biases computed after them)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}  # once: moving a start moves no start's input
     for start in [n for n in graph.nodes if n.target in (start_all_reduce, start_reduce_scatter)]:
-        order = {n: i for i, n in enumerate(graph.nodes)}
         max(start.all_input_nodes, key=order.__getitem__).append(start)
 
 
