@@ -33,9 +33,6 @@ from .ops import (bucket_buffer, contiguous, dense_in_order, mm_into, start_all_
                   wait_buckets)
 
 aten = torch.ops.aten
-VIEWS = {aten.permute.default, aten.view.default, aten._unsafe_view.default, aten.slice.Tensor, aten.select.int,
-         aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.expand.default, aten.t.default,
-         aten.transpose.int, aten.alias.default, aten.split_with_sizes.default, aten.split.Tensor}
 WRITES_IN_PLACE = (bucket_buffer, mm_into)  # their storage is written again later in the step
 PURE_HELPERS = (contiguous, dense_in_order)  # autopar's own: a function of their input only
 
@@ -130,13 +127,10 @@ def _freeze(value):
     return ("id", id(value))  # anything else merges only with itself
 
 
-def _drop_unused(graph: fx.Graph) -> int:
-    dropped = 0
-    for node in reversed(list(graph.nodes)):
-        if not node.users and (_pure(node) or node.target in VIEWS):
+def _drop_unused(graph: fx.Graph) -> None:
+    for node in reversed(list(graph.nodes)):  # (views are pure: they go too)
+        if not node.users and _pure(node):
             graph.erase_node(node)
-            dropped += 1
-    return dropped
 
 
 def _start_buckets_early(graph: fx.Graph) -> None:
