@@ -3,8 +3,9 @@
 Run on every rank under torchrun (gloo on CPU, NCCL on CUDA: the same code, the device follows the
 backend). For each mesh axis, every rank times all_reduce, all_gather, reduce_scatter, all_to_all
 and send/recv inside its own axis group over a range of message sizes B, each as the lowered graph
-issues it (functional collective + wait_tensor; all_reduce's copy of its input included); a time
-is the slowest rank's mean (a step's collectives add up, so their occasional slow calls count).
+issues it (functional collective + wait_tensor; all_reduce's copy of its input included). At each
+size the kinds take turns, round after round, so that load from elsewhere hits them alike; a time is
+the slowest rank's median round (`measure_collectives`).
 Each (link kind, collective) is then fitted to the alpha-beta formula of `costmodel.comm`
 (`autopar.calibrate_fit`).
 
@@ -28,6 +29,12 @@ collective from compute. `sync_latency` is the difference: ~10 ms of matmuls the
 all_reduce, against the same matmuls alone and the all_reduce back to back (CPU/gloo: ~1 ms, the
 communication threads of ranks that were computing have to be woken; with NCCL the wait is queued on
 the device and costs nothing extra).
+On CPU everything is measured under the allocator thresholds autopar's programs run with
+(`autopar.cpu_memory`): under glibc's defaults each large collective's fresh output is faulted in
+page by page, which the program does not pay. 13.8 MB on 2 ranks of a 2-core machine, 12
+calibrations each: all-reduce fitted at a median 15.4 ms and all-gather at 11.0 ms under the
+defaults, 12.6 and 8.2 ms under autopar's settings; timed alone, as the program issues them,
+12.5-13.7 and 6.4-6.7 ms.
 The result is a `HardwareSpec`; `HardwareSpec.save` writes the JSON that `Mesh(hardware=path)` reads.
 """
 from __future__ import annotations
@@ -51,6 +58,7 @@ from autopar.calibrate_fit import Sample, fit_line, fit_links
 from autopar.costmodel import compute as compute_model
 from autopar.costmodel.hardware import COLLECTIVE_KINDS, HardwareSpec, get_hardware
 from autopar.costmodel.memory import format_bytes, format_seconds
+from autopar.cpu_memory import keep_freed_memory
 from autopar.errors import InputError
 from autopar.mesh import Mesh
 
@@ -208,25 +216,56 @@ def _axis_groups(mesh_shape: tuple[int, ...]) -> list[tuple[object, list[int]]]:
     return mine
 
 
+CALLS_PER_ROUND = 2   # back-to-back calls of one collective per timed round
+
+
 def measure_collectives(mesh: Mesh, sizes: Sequence[int], iters: int, device: torch.device,
                         progress: Progress) -> list[Sample]:
-    """Time every collective kind on every axis at every size; the slowest rank's median counts."""
+    """Time every collective kind on every axis at every size; the slowest rank's median counts.
+
+    At each size the kinds take turns: `iters` rounds, each timing CALLS_PER_ROUND back-to-back
+    calls of every kind in turn, and a sample is this rank's median round, then the slowest rank's.
+    The planner compares kinds at one size (a gradient all-reduce against a reduce-scatter plus an
+    all-gather of the same bytes), so a spell of load from elsewhere must slow a round of every kind
+    alike rather than every timing of one kind: timed one kind after the other, a kind that fell in
+    such a spell looked 20-30% slower than the others and steered the plan."""
     plan, local = [], []
     for axis, (group, ranks) in enumerate(_axis_groups(mesh.shape)):
         if len(ranks) < 2:
             continue
         link_kind = mesh.link_kind(axis)
-        for kind in COLLECTIVE_KINDS:
-            progress(f"{kind} on axis {mesh.axis_names[axis]} ({link_kind}, n={len(ranks)}): "
-                     f"{format_bytes(sizes[0])} .. {format_bytes(sizes[-1])}")
-            for nbytes in sizes:
-                fn = _collective_fns(kind, nbytes, group, ranks.index(dist.get_rank()), ranks, device)
-                dist.barrier()
-                local.append(_mean_time(fn, device, iters))
-                plan.append((kind, link_kind, len(ranks), nbytes))
+        progress(f"{', '.join(COLLECTIVE_KINDS)} on axis {mesh.axis_names[axis]} ({link_kind}, n={len(ranks)}): "
+                 f"{format_bytes(sizes[0])} .. {format_bytes(sizes[-1])}, {iters} rounds")
+        pos = ranks.index(dist.get_rank())
+        for nbytes in sizes:
+            fns = [_collective_fns(kind, nbytes, group, pos, ranks, device) for kind in COLLECTIVE_KINDS]
+            rounds = _interleaved_times(fns, device, iters)
+            local += [statistics.median(r) for r in rounds]
+            plan += [(kind, link_kind, len(ranks), nbytes) for kind in COLLECTIVE_KINDS]
     slowest = torch.tensor(local, dtype=torch.float64, device=device)  # NCCL reduces device tensors only
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return [Sample(k, lk, n, float(b), float(t)) for (k, lk, n, b), t in zip(plan, slowest.tolist())]
+
+
+def _interleaved_times(fns: Sequence[Callable[[], object]], device: torch.device, iters: int) -> list[list[float]]:
+    """Per fn, the mean seconds per call of each of `iters` rounds; in a round every fn runs
+    CALLS_PER_ROUND times back to back, after a barrier, one fn after the other (one warm-up call
+    each first). The same calls on every rank, so the fns may be collectives."""
+    times: list[list[float]] = [[] for _ in fns]
+    with warnings.catch_warnings():   # torch's deprecation notes on *_into_tensor / *_tensor names
+        warnings.simplefilter("ignore", FutureWarning)
+        for fn in fns:
+            fn()
+        for _ in range(iters):
+            for fn, out in zip(fns, times):
+                _sync(device)
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(CALLS_PER_ROUND):
+                    fn()
+                _sync(device)
+                out.append((time.perf_counter() - t0) / CALLS_PER_ROUND)
+    return times
 
 
 def measure_compute(device: torch.device, iters: int, dtype: torch.dtype, progress: Progress,
@@ -389,6 +428,8 @@ def calibrate(mesh_shape: Sequence[int] | None = None, *, sizes: Sequence[int] =
     if math.prod(mesh_shape) != world:
         raise InputError(f"mesh {mesh_shape} has {math.prod(mesh_shape)} devices but the world has {world}")
     device = _device()
+    if device.type == "cpu":   # the allocator settings the program runs with (see the docstring)
+        keep_freed_memory()
     base_spec = get_hardware(base) if base is not None else default_base(device)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     dpn = devices_per_node or (local_world if local_world < world else base_spec.devices_per_node)
