@@ -226,9 +226,8 @@ def measure_collectives(mesh: Mesh, sizes: Sequence[int], iters: int, device: to
     At each size the kinds take turns: `iters` rounds, each timing CALLS_PER_ROUND back-to-back
     calls of every kind in turn, and a sample is this rank's median round, then the slowest rank's.
     The planner compares kinds at one size (a gradient all-reduce against a reduce-scatter plus an
-    all-gather of the same bytes), so a spell of load from elsewhere must slow a round of every kind
-    alike rather than every timing of one kind: timed one kind after the other, a kind that fell in
-    such a spell looked 20-30% slower than the others and steered the plan."""
+    all-gather of the same bytes), so a spell of load from elsewhere should slow a round of every kind
+    alike rather than every timing of one kind, which would steer the plan."""
     plan, local = [], []
     for axis, (group, ranks) in enumerate(_axis_groups(mesh.shape)):
         if len(ranks) < 2:
