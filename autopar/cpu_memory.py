@@ -13,10 +13,10 @@ order of frees mostly does not trim), 308-317 ms with the thresholds below.
 PyTorch keeps freed memory for the same reason on GPUs (the CUDA caching allocator), and its CPU
 launcher (`python -m torch.backends.xeon.run_cpu`) preloads jemalloc or tcmalloc configured never to
 return freed memory. `keep_freed_memory` is the glibc equivalent, applied once per process when
-autopar runs on CPU: M_MMAP_THRESHOLD 1 GiB (32 MiB where an older glibc refuses more; larger tensors
-are still mapped per allocation, as by default) and M_TRIM_THRESHOLD 2 GiB - 1 (the largest `mallopt`
-takes). The cost is that the process keeps its peak heap, which a training job reaches again every
-step anyway.
+autopar runs on CPU (`autoparallelize`; `autopar calibrate`, to measure under the same settings):
+M_MMAP_THRESHOLD 1 GiB (32 MiB where an older glibc refuses more; larger tensors are still mapped
+per allocation, as by default) and M_TRIM_THRESHOLD 2 GiB - 1 (the largest `mallopt` takes). The
+cost is that the process keeps its peak heap, which a training job reaches again every step anyway.
 
 It leaves the allocator alone when the C library is not glibc, when AUTOPAR_KEEP_CPU_MEMORY=0, when
 the user tuned malloc already (MALLOC_*_ or a glibc.malloc tunable in the environment), and when
