@@ -6,6 +6,7 @@ import random
 import numpy as np
 import pytest
 
+from autopar import cpu_memory
 from autopar.calibrate import build_profile, calibrate, parse_size, size_range
 from autopar.calibrate_fit import Sample, fit_alpha_beta, fit_line, fit_links
 from autopar.cli import main
@@ -154,7 +155,6 @@ def test_sizes():
 
 def _calibrate_worker(rank, world, out):
     result = calibrate(sizes=[1024, 16384, 262144], iters=1, quick_compute=True, progress=lambda m: None)
-    from autopar import cpu_memory
     assert cpu_memory._state is not None   # measured under the allocator settings programs run with
     if rank == 0:
         result.spec.save(out)
