@@ -11,7 +11,8 @@ the slowest rank's (all_reduce MAX), and the table shows the median over all tim
 time and of CPU time (process time: on an oversubscribed machine wall time mostly measures the other
 jobs, CPU time only this step's own work; a rank waiting in a collective sleeps). Below the table,
 "paired" sets each autopar step against its counterpart's step of the same round and index, seconds
-apart, so that load drift cancels: the median of those ratios and how many steps autopar won.
+apart, so that load drift cancels: the median of those ratios and how many steps autopar won; then
+what auto chose (its weights' modes) and every recipe's predicted step, cheapest first.
 
 autopar plans for this machine as measured by `autopar calibrate` in the same job (`--hardware`
 calibrate, the default; a preset name such as `cpu` or a saved profile instead): the choice of plan
@@ -52,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from autopar.calibrate import calibrate, size_range  # noqa: E402
 from autopar.mesh import Mesh  # noqa: E402
+from autopar.report import header_lines  # noqa: E402
 from autopar.runtime import autoparallelize  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -149,6 +151,7 @@ def make_variants(model: GPT, example, world: int, rank: int, which: list[str], 
                     foreach=foreach)
         v.setup_s = time.perf_counter() - t0
         v.predicted = pmodel.plan.predicted_step_time
+        v.plan = pmodel.plan
         out.append(v)
     for strategy, kind in NATIVE.items():
         if kind not in which:
@@ -275,6 +278,14 @@ def _ratio(v: Variant, med: dict, natives: list[Variant]) -> str:
     return f"{med[v.name] / med[n.name]:.2f}x {n.name}" if n is not None else ""
 
 
+def chosen_plan(plan) -> str:
+    """What auto chose (its weights' modes per mesh axis), and every recipe's predicted step, cheapest first."""
+    chosen = next(line for line in header_lines(plan) if line.startswith("strategy")).split("-> ", 1)[1]
+    priced = sorted((b["time"], r) for r, b in plan.baselines.items() if b.get("feasible", True))
+    return (f"autopar auto's plan: {chosen}, predicted {plan.predicted_step_time:.4f} s; recipes priced: "
+            + ", ".join(f"{r} {t:.4f}" for t, r in priced))
+
+
 def paired(variants: list[Variant]) -> str:
     """Each autopar variant's step k of a round against its counterpart's step k of the same round:
     the two ran seconds apart, so load drift cancels, which comparing two medians does not do."""
@@ -361,6 +372,9 @@ def main(argv=None) -> None:
     if rank == 0:
         print(report(variants))
         print(paired(variants))
+        for v in variants:
+            if v.name == "autopar auto":
+                print(chosen_plan(v.plan))
         print(f"load average (1, 5, 15 min) at the start: {load0}, at the end: {os.getloadavg()}")
         print("median s: slowest rank, barrier to barrier; cpu s: median CPU time of the slowest rank (what "
               "to compare on a loaded machine); optim: rank 0's AdamW step alone; predicted: the plan's "
