@@ -6,7 +6,8 @@
 
 One step = zero_grad + forward + backward + AdamW step. Every variant is built once, then the
 variants take turns (`--rounds` rounds of `--steps` timed steps each, after `--warmup` untimed
-steps) so that load from other processes on a shared machine hits them all alike. A step's time is
+steps; each round starts one variant later than the one before) so that load from other processes
+on a shared machine hits them all alike. A step's time is
 the slowest rank's (all_reduce MAX), and the table shows the median over all timed steps, of wall
 time and of CPU time (process time: on an oversubscribed machine wall time mostly measures the other
 jobs, CPU time only this step's own work; a rank waiting in a collective sleeps). Below the table,
@@ -365,8 +366,9 @@ def main(argv=None) -> None:
               flush=True)
     load0 = os.getloadavg()
     variants = [v for v in variants if warm_up(v, batches, args.warmup, rank)]
-    for _ in range(args.rounds):
-        for v in variants:
+    for r in range(args.rounds):
+        turn = r % len(variants) if variants else 0   # each round starts one variant later: no variant
+        for v in variants[turn:] + variants[:turn]:   # always runs right after the same one
             for i in range(args.steps):
                 timed_step(v, *batches[i % len(batches)])
     if rank == 0:
