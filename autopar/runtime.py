@@ -192,13 +192,10 @@ class _JointStep(torch.autograd.Function):
     @staticmethod
     def forward(fctx, runner, num_params, *args):
         params = args[:num_params]
-        local_args = [compat.local_tensor(p) for p in params] + list(args[num_params:])
-        with torch.no_grad():
-            outs = runner.gm(*local_args)
-        fctx.grads = runner.grads_by_param(outs[1:])
+        loss, fctx.grads = runner._run_graph(params, args[num_params:])
         fctx.specs = [compat.dtensor_spec(p) for p in params]
         fctx.num_rest = len(args) - num_params
-        return outs[0].detach().clone()
+        return loss.detach().clone()
 
     @staticmethod
     def backward(fctx, g):
@@ -298,6 +295,13 @@ class ParallelModule(nn.Module):
         bufs = [compat.local_tensor(owner._buffers[leaf]) for owner, leaf in self._buffer_owners]
         return params, bufs + local_inputs
 
+    def _run_graph(self, params, rest) -> tuple[torch.Tensor, list]:
+        """The joint graph on the parameters' local shards: (the loss, each parameter's local gradient
+        or None), computed without autograd recording."""
+        with torch.no_grad():
+            outs = self.gm(*[compat.local_tensor(p) for p in params], *rest)
+        return outs[0], self.grads_by_param(outs[1:])
+
     def forward(self, *inputs, **kwargs) -> torch.Tensor:
         params, rest = self._step_args(inputs, kwargs)
         return _JointStep.apply(self, len(params), *params, *rest)
@@ -315,9 +319,9 @@ class ParallelModule(nn.Module):
             loss.backward()
             return loss.detach()
         params, rest = self._step_args(inputs, kwargs)
+        loss, grads = self._run_graph(params, rest)
         with torch.no_grad():
-            outs = self.gm(*[compat.local_tensor(p) for p in params], *rest)
-            for p, gr in zip(params, _distinct(self.grads_by_param(outs[1:]))):
+            for p, gr in zip(params, _distinct(grads)):
                 if gr is None or not p.requires_grad:
                     continue
                 gr = compat.dtensor_grad(gr, compat.dtensor_spec(p))
@@ -325,7 +329,7 @@ class ParallelModule(nn.Module):
                     p.grad = gr
                 else:
                     p.grad.add_(gr)  # in place, as AccumulateGrad adds to an existing gradient
-        return outs[0].clone()  # not a view that keeps the loss's bucket buffer alive
+        return loss.clone()  # not a view that keeps the loss's bucket buffer alive
 
     def _backward_is_watched(self) -> bool:
         """Grad mode off, a gradient hook on a parameter, or a forward/backward hook on this module
