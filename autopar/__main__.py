@@ -1,6 +1,6 @@
-"""`python -m autopar ...` runs the `autopar` command (see autopar/cli.py)."""
+"""`python -m autopar ...` runs the `autopar` command (see autopar/inspection/cli.py)."""
 import sys
 
-from autopar.cli import main
+from autopar.inspection.cli import main
 
 sys.exit(main())

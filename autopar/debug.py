@@ -1,4 +1,4 @@
-"""Levelled debug output from one environment variable, AUTOPAR_DEBUG (printed to stderr).
+"""Levelled debug output from one environment variable, AUTOPAR_DEBUG (printed to stderr; `autopar.config`).
 
     1  timings of each planning phase and each rewrite pass
     2  + the numbered pass list, cost-graph sizes and solver statistics
@@ -7,15 +7,11 @@
 """
 from __future__ import annotations
 
-import os
 import sys
+import time
+from contextlib import contextmanager
 
-
-def level() -> int:
-    try:
-        return int(os.environ.get("AUTOPAR_DEBUG", "0") or 0)
-    except ValueError:
-        return 1
+from autopar.config import debug_level as level
 
 
 def progress(msg: str, *, end: str = "\n") -> None:
@@ -27,3 +23,17 @@ def progress(msg: str, *, end: str = "\n") -> None:
 def log(at: int, msg: str) -> None:
     if level() >= at:
         print(f"[autopar] {msg}", file=sys.stderr, flush=True)
+
+
+class PhaseTimer(dict):
+    """Seconds per named phase (`with timer("solve"): ...`), logged and shown as progress lines."""
+
+    @contextmanager
+    def __call__(self, name):
+        start = time.perf_counter()
+        log(2, f"{name} ...")
+        progress(f"{name} ...", end="")
+        yield
+        self[name] = self.get(name, 0.0) + time.perf_counter() - start
+        progress(f"{name}: {self[name]:.1f} s")
+        log(1, f"{name}: {self[name]:.2f} s")

@@ -43,8 +43,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from autopar.graph import FUSED, INS, OUTS, PASS, ROLE, VAL, is_getitem
 from autopar.placement import local_shape, replicated
-from autopar.strategies import is_getitem
 
 c10d = torch.ops._c10d_functional
 COLLECTIVES = {c10d.all_gather_into_tensor.default, c10d.all_reduce.default, c10d.reduce_scatter_tensor.default,
@@ -88,29 +88,29 @@ def _fail(node: fx.Node, msg: str) -> None:
 
 def _captured(gm, ctx) -> None:
     for node in gm.graph.nodes:
-        if node.op == "placeholder" and "autopar_role" not in node.meta:
+        if node.op == "placeholder" and ROLE not in node.meta:
             _fail(node, "placeholder without autopar_role")
-        if node.op in ("placeholder", "call_function") and "val" not in node.meta \
-                and node.meta.get("autopar_pass") not in LOCAL_PASSES:
+        if node.op in ("placeholder", "call_function") and VAL not in node.meta \
+                and node.meta.get(PASS) not in LOCAL_PASSES:
             _fail(node, "no meta['val']")
 
 
 def _planned(gm, ctx) -> None:
     for node in gm.graph.nodes:
-        if node.op in ("placeholder", "call_function") and node.meta.get("val") is not None \
-                and "autopar_outs" not in node.meta and node.meta.get("autopar_pass") not in LOCAL_PASSES:
+        if node.op in ("placeholder", "call_function") and node.meta.get(VAL) is not None \
+                and OUTS not in node.meta and node.meta.get(PASS) not in LOCAL_PASSES:
             _fail(node, "no planned placement after apply_plan")
 
 
 def _consistent(gm, ctx) -> None:
     for node in gm.graph.nodes:
-        if node.op != "call_function" or is_getitem(node) or "autopar_ins" not in node.meta:
+        if node.op != "call_function" or is_getitem(node) or INS not in node.meta:
             continue
-        for a, want in zip(node.all_input_nodes, node.meta["autopar_ins"]):
-            if a.meta["autopar_outs"][0] != want:
+        for a, want in zip(node.all_input_nodes, node.meta[INS]):
+            if a.meta[OUTS][0] != want:
                 _fail(node, f"input {a.name} is {a.meta['autopar_outs'][0]} but {want} is required")
     out = gm.graph.output_node().args[0]
-    if out[0].meta["autopar_outs"][0] != replicated(len(ctx.axis_sizes)):
+    if out[0].meta[OUTS][0] != replicated(len(ctx.axis_sizes)):
         _fail(out[0], "the loss is not Replicate")
 
 
@@ -157,8 +157,8 @@ def _overlapped_bucket(start: fx.Node) -> None:
     from autopar.passes.ops import wait_buckets
     if [u.target for u in start.users] != [wait_buckets]:
         _fail(start, "overlapped bucket without exactly one wait_buckets")
-    reasons = [r["reason"] for r in start.meta.get("autopar_fused", ())]
-    if start.meta.get("autopar_pass") != "schedule_overlap" or not reasons \
+    reasons = [r["reason"] for r in start.meta.get(FUSED, ())]
+    if start.meta.get(PASS) != "schedule_overlap" or not reasons \
             or not all(r.startswith("gradient") or r == "loss to every rank" for r in reasons):
         _fail(start, "only schedule_overlap's gradient buckets may stay in flight")
 
@@ -171,8 +171,8 @@ def _local(gm, ctx) -> None:
     args = []
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            v = node.meta["val"]
-            shape = local_shape(node.meta["autopar_outs"][0], tuple(v.shape), ctx.axis_sizes)
+            v = node.meta[VAL]
+            shape = local_shape(node.meta[OUTS][0], tuple(v.shape), ctx.axis_sizes)
             with mode:
                 args.append(torch.empty(shape, dtype=v.dtype, device=v.device if v.device.type != "meta" else "cpu"))
     env = {}
@@ -183,35 +183,24 @@ def _local(gm, ctx) -> None:
             env[n] = r
             return r
 
-    saved = {n: n.meta.get("val") for n in gm.graph.nodes}  # FakeTensorProp overwrites meta["val"]
+    saved = {n: n.meta.get(VAL) for n in gm.graph.nodes}  # FakeTensorProp overwrites meta[VAL]
     try:
         Prop(gm, mode).propagate_dont_convert_inputs(*args)
     finally:
         for n, v in saved.items():
             if v is None:
-                n.meta.pop("val", None)
+                n.meta.pop(VAL, None)
             else:
-                n.meta["val"] = v
+                n.meta[VAL] = v
     for node, got in env.items():
-        if node.op != "call_function" or "autopar_outs" not in node.meta or "val" not in node.meta:
+        if node.op != "call_function" or OUTS not in node.meta or VAL not in node.meta:
             continue
-        if node.meta.get("autopar_pass") in LOCAL_PASSES:
+        if node.meta.get(PASS) in LOCAL_PASSES:
             continue
         vals = got if isinstance(got, (tuple, list)) else (got,)
-        gvals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
-        for v, g, spec in zip(vals, gvals, node.meta["autopar_outs"]):
+        gvals = node.meta[VAL] if isinstance(node.meta[VAL], (tuple, list)) else (node.meta[VAL],)
+        for v, g, spec in zip(vals, gvals, node.meta[OUTS]):
             if isinstance(v, torch.Tensor) and spec is not None:
                 want = local_shape(spec, tuple(g.shape), ctx.axis_sizes)
                 if tuple(v.shape) != tuple(want):
                     _fail(node, f"local shape {tuple(v.shape)} but the plan says {want}")
-
-
-def ancestors(node: fx.Node) -> set[fx.Node]:
-    """`node` and every node it depends on (e.g. the loss's ancestors are the forward part)."""
-    seen, stack = {node}, [node]
-    while stack:
-        for inp in stack.pop().all_input_nodes:
-            if inp not in seen:
-                seen.add(inp)
-                stack.append(inp)
-    return seen

@@ -85,7 +85,7 @@ class Plan:
     timings: dict = field(default_factory=dict)     # planning phase -> seconds
     model: dict = field(default_factory=dict)       # name, parameter count, input shapes, tied
     candidates: dict = field(default_factory=dict)  # param FQN / node -> rows of the choices it had
-    mixed_precision: dict | None = None  # {"param_dtype", "reduce_dtype"} (autopar.precision), None = fp32
+    mixed_precision: dict | None = None  # {"param_dtype", "reduce_dtype"} (autopar.capture.precision), None = fp32
 
     # ------------------------------------------------------------------ reading
     def placement(self, name: str) -> tuple:
@@ -100,19 +100,20 @@ class Plan:
         raise KeyError(f"{name!r} is not a parameter, module or graph node of this plan"
                        + (f"; did you mean one of {close}?" if close else ""))
 
-    def summary(self, **kw) -> str:
-        from autopar.report import render_summary
-        return render_summary(self, **kw)
+    def summary(self, *, rich: bool | None = None, width: int = 100) -> str:
+        """The plan on one screen (`autopar.inspection.summary`); `rich=None` uses rich when installed."""
+        from autopar.inspection.summary import render_summary
+        return render_summary(self, rich=rich, width=width)
 
     def __str__(self) -> str:
         return self.summary()
 
     def explain(self, name: str) -> str:
-        from autopar.report import explain
+        from autopar.inspection.summary import explain
         return explain(self, name)
 
     def to_html(self, path) -> None:
-        from autopar.html import to_html
+        from autopar.inspection.html import to_html
         to_html(self, path)
 
     # ------------------------------------------------------------------ JSON

@@ -1,7 +1,7 @@
 """Capture cache: what a second capture of the same model costs against the first (a real trace).
 
 Run:  python benchmarks/capture_cache.py [family ...]      (default: mistral bart t5 mixtral)
-Per zoo family (tests/models.py, ZOO_CASES): the first capture (torch.export + joint trace), the second
+Per zoo family (autopar/_testing/models.py, ZOO_CASES): the first capture (torch.export + joint trace), the second
 (a cache hit: the key and a deep copy of the graph), the key alone, and whether the copy's code equals
 the first graph's. Prints one table; asserts nothing about time.
 """
@@ -10,14 +10,10 @@ from __future__ import annotations
 import sys
 import time
 import warnings
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-import models  # noqa: E402
-from autopar import capture_cache  # noqa: E402
-from autopar.capture import capture  # noqa: E402
+from autopar._testing import models
+from autopar.capture import cache as capture_cache
+from autopar.capture.trace import capture
 
 
 def measure(name: str) -> tuple:

@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 2 benchmarks/costmodel_fidelity.py --hardware cpu      # the uncalibrated preset
     torchrun --nproc_per_node 2 benchmarks/costmodel_fidelity.py --categories        # + ms per category of op
 
-The job first calibrates this machine (`autopar.calibrate.calibrate`, the same code as
+The job first calibrates this machine (`autopar.calibration.measure.calibrate`, the same code as
 `autopar calibrate`) unless given a profile, then plans dp, zero3, tp, auto and a 2-stage 1F1B
 pipeline ("pp", 4 micro-batches) on a mesh of the world with that profile, builds each with
 `autoparallelize`, and times zero_grad + train_step + AdamW step (warm-up steps, then the
@@ -24,23 +24,17 @@ import argparse
 import copy
 import os
 import statistics
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from step_time import Variant, timed_step, warm_up
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import autopar  # noqa: E402
-from autopar.calibrate import Calibration, build_profile, calibrate, size_range  # noqa: E402
-from autopar.costmodel.hardware import HardwareSpec, get_hardware  # noqa: E402
-from autopar.runtime import autoparallelize  # noqa: E402
-from examples.gpt import GPT, GPTConfig  # noqa: E402
-from step_time import Variant, timed_step, warm_up  # noqa: E402
+import autopar
+from autopar import autoparallelize
+from autopar._testing.gpt import GPT, GPTConfig
+from autopar.calibration.measure import Calibration, build_profile, calibrate, size_range
+from autopar.costmodel.hardware import HardwareSpec, get_hardware
 
 PLANS = ("dp", "zero3", "tp", "auto", "pp")
 # plan name -> autoparallelize / plan keywords
@@ -107,17 +101,17 @@ def spmd_totals(model, example, plan, mesh) -> dict | None:
     """The cost model's totals for the very choices of the SPMD `plan`, priced on `mesh`: every
     node gets the strategy the plan names (planning again could break a near-tie differently).
     None when a choice is not among the node's candidates."""
-    from autopar import assemble
+    from autopar.planning import assemble
     found = spmd_choice(model, example, plan, mesh)
     return None if found is None else assemble.totals(*found)
 
 
 def spmd_choice(model, example, plan, mesh):
-    """(Problem priced on `mesh`, the strategy index of every node that the SPMD `plan` names), or None."""
-    from autopar import assemble
-    from autopar.canonicalize import canonicalize
-    from autopar.capture import capture
-    from autopar.costing import ProblemBuilder
+    """(CostProblem priced on `mesh`, the strategy index of every node that the SPMD `plan` names), or None."""
+    from autopar.capture.canonicalize import canonicalize
+    from autopar.capture.trace import capture
+    from autopar.planning import assemble
+    from autopar.planning.problem import ProblemBuilder
     captured = capture(copy.deepcopy(model), example)
     canonicalize(captured.gm)
     prob = ProblemBuilder(captured, mesh, prune=False).build()

@@ -1,5 +1,5 @@
 """Longer fuzzing than CI's fixed set: hypothesis draws random small transformer configurations and
-meshes (tests/fuzz_cases.py), each is planned and trained 3 AdamW steps at world 2 and compared with one
+meshes (autopar/_testing/fuzz_cases.py), each is planned and trained 3 AdamW steps at world 2 and compared with one
 process of the unmodified model.
 
 Run:  python benchmarks/fuzz.py [--cases 40] [--seed 7] [--batch-size 10]
@@ -13,13 +13,9 @@ import argparse
 import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-from dist_utils import run_distributed  # noqa: E402
-from fuzz_cases import draw_cases, run_cases  # noqa: E402
+from autopar._testing.dist_utils import run_distributed
+from autopar._testing.fuzz_cases import draw_cases, run_cases
 
 
 def main(argv=None) -> int:

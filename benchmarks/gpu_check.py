@@ -20,16 +20,12 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import autopar  # noqa: E402
-
-from autopar.runtime import autoparallelize  # noqa: E402
-from examples.gpt import GPT, GPTConfig  # noqa: E402
+import autopar
+from autopar import autoparallelize
+from autopar._testing.gpt import GPT, GPTConfig
 
 DEV = "cuda"
 
@@ -103,7 +99,7 @@ def time_gpt2(precision: str, hardware: str, steps: int, small: bool) -> str:
         opt.step(); opt.zero_grad(set_to_none=True)
     measured = median_step(ap_step, batches, steps)
     predicted = pmodel.plan.predicted_step_time
-    del pmodel, opt
+    pmodel = opt = None  # free the device memory before the eager runs
     if DEV == "cuda":
         torch.cuda.empty_cache()
 

@@ -2,7 +2,7 @@
 Replicate, does it plan, and do 3 AdamW steps at worlds 2 and 4 (auto, zero3, tp) equal one process?
 
 Run:  python benchmarks/model_zoo.py [family ...] [--no-numerics] [--worlds 2 4]
-Models are tiny, built from configs with random weights (tests/models.py, ZOO_CASES); no hub access.
+Models are tiny, built from configs with random weights (autopar/_testing/models.py, ZOO_CASES); no hub access.
 Failures are printed with the first line of their error, never hidden. Prints one table at the end.
 MoE families also train under plans forced to expert-parallel and tensor-split experts (EXPERT_LAYOUTS).
 T5 under tp fails this post-AdamW comparison by 1.8e-5 on one weight whose gradient element (-2.4e-7) is
@@ -11,29 +11,24 @@ below AdamW's eps: its gradients equal one process (tests/test_zoo.py, _check_t5
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import warnings
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-import models  # noqa: E402
-from dist_cases import assert_matches, train_many, train_reference  # noqa: E402
-from dist_utils import run_distributed  # noqa: E402
-
-from autopar.canonicalize import canonicalize  # noqa: E402
-from autopar.capture import capture  # noqa: E402
-from autopar.costing import ProblemBuilder  # noqa: E402
-from autopar.mesh import Mesh  # noqa: E402
-from autopar.planner import plan as plan_model, plan_captured  # noqa: E402
-from autopar.rules import moe  # noqa: E402
-from autopar.strategies import StrategyEnumerator  # noqa: E402
+from autopar import plan as plan_model
+from autopar._testing import models
+from autopar._testing.dist_cases import assert_matches, train_many, train_reference
+from autopar._testing.dist_utils import run_distributed
+from autopar.capture.canonicalize import canonicalize
+from autopar.capture.trace import capture
+from autopar.mesh import Mesh
+from autopar.planning.problem import ProblemBuilder
+from autopar.planning.spmd import plan_captured
+from autopar.sharding.rules import moe
+from autopar.sharding.strategies import StrategyEnumerator
 
 STEPS = 3
 STRATEGIES = ("auto", "zero3", "tp")
-# MoE families also train under plans forced to one experts layout (autopar/rules/moe.py force_experts)
+# MoE families also train under plans forced to one experts layout (autopar/sharding/rules/moe.py force_experts)
 EXPERT_LAYOUTS = {"mixtral": ("ep", "tp")}
 
 

@@ -7,7 +7,7 @@
 
 Models (meta device, no weights): GPT-2 124M / 350M / 1.5B (seq 1024) and Llama 7B / 13B / 70B
 (seq 4096), global batch = one sequence per device; H100s, 8 per node; budgets 80 GB and 40 GB.
-Hand recipes, each priced by `autopar.pipeline_search` with the recipe forced on the SPMD sub-mesh:
+Hand recipes, each priced by `autopar.pipeline.search` with the recipe forced on the SPMD sub-mesh:
   dp, zero1, zero2, zero3     one 1-D mesh over every device
   (each with gradient accumulation over m in {1, 2, 4} micro-batches)
   megatron-tp                 tensor parallel inside a node (tp 2, 4 or 8) x data parallel, m in {1, 2, 4}
@@ -16,7 +16,7 @@ Hand recipes, each priced by `autopar.pipeline_search` with the recipe forced on
   3d                          torchtitan 3-D: every pp > 1 x ZeRO-3 x tp in {2, 4, 8}, 1F1B or interleaved
                               1F1B, m in {pp, 2pp, 4pp}
 "auto" is the full search (every pp x dp x tp, micro-batch count, schedule; SPMD solver inside;
-branch and bound, see autopar/pipeline_search.py). Prints one row per case: auto's step time, the
+branch and bound, see autopar/pipeline/search.py). Prints one row per case: auto's step time, the
 best recipe and its time, auto / best, auto's layout, auto's search time (wall, CPU; it runs first,
 so the first budget's is a cold search and the second reuses its captures) and the row's wall and CPU
 time.
@@ -24,13 +24,8 @@ time.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import warnings
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 DEVICES = (8, 16, 64, 256)
 BUDGETS = ("80GB", "40GB")
@@ -47,7 +42,7 @@ def build(name: str, batch: int):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    import models
+    from autopar._testing import models
     gpt = {"gpt2-124m": (12, 768, 12), "gpt2-350m": (24, 1024, 16), "gpt2-1.5b": (48, 1600, 25)}
     llama = {"llama-7b": LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                                      intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096),
@@ -92,7 +87,7 @@ def _try(fn):
 
 def run(name: str, n: int, budgets=BUDGETS) -> list[dict]:
     import autopar
-    from autopar.pipeline_search import Profiler, search
+    from autopar.pipeline.search import Profiler, search
     model, inputs = build(name, n)
     mesh = autopar.Mesh((n,), hardware="h100", devices_per_node=PER_NODE)
     prof = Profiler(model, inputs, mesh.hardware, PER_NODE)   # captures and SPMD profiles shared by every row

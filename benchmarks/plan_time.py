@@ -15,10 +15,7 @@ import resource
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 PHASES = ("capture", "canonicalize", "strategies+costs", "baselines", "solve", "total")
 CASES = ("gpt2-8", "gpt2-64", "llama3-8b-8", "llama3-8b-64", "llama3-70b-512", "llama3-405b-512")
 
@@ -32,7 +29,7 @@ def _mesh(devices: int):
 
 def run_case(name: str) -> dict:
     import autopar
-    import models
+    from autopar._testing import models
     model_name, devices = name.rsplit("-", 1)
     builders = {"gpt2": models.meta_gpt2_124m, "llama3-8b": models.meta_llama3_8b,
                 "llama3-70b": lambda: models.meta_llama3_70b(batch=64, seq=4096),

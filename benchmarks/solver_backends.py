@@ -16,9 +16,9 @@ import time
 
 import numpy as np
 
-from autopar.costgraph import CostEdge, CostGraph, CostNode
 from autopar.errors import SolverError
-from autopar.solver import min_memory, solve
+from autopar.planning.costgraph import CostEdge, CostGraph, CostNode
+from autopar.planning.solver import min_memory, solve
 
 OPS = 25
 SKIPS = [(0, 12), (12, 24), (2, 4), (2, 6)]

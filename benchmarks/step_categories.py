@@ -8,7 +8,7 @@ collectives, their waits and what they call, p2p send/recv), optimizer/param (ev
 Python (the graph's own code, DTensor dispatch) and "unprofiled" (wall time no profiler event covers:
 p2p waits of a pipeline schedule, page faults between ops).
 
-Predicted: each node's chosen-strategy seconds from the cost model (`Problem.compute`), by the
+Predicted: each node's chosen-strategy seconds from the cost model (`CostProblem.compute`), by the
 node's op; node-local collectives and every edge's resharding as "collective"; parameters'
 optimizer-step seconds as "optimizer/param". Measured: torch.profiler self CPU time per event, a
 mean over a few steps, on every rank. SPMD plans only are predicted per category (a pipeline's
@@ -23,6 +23,8 @@ from collections import defaultdict
 
 import numpy as np
 import torch.distributed as dist
+
+from autopar.graph import packet
 
 MATMUL = {"mm", "addmm", "bmm", "baddbmm", "linear", "matmul"}
 COPY = {"clone", "_to_copy", "copy_", "contiguous", "cat", "stack", "copy"}
@@ -52,8 +54,7 @@ def op_category(name: str) -> str:
 
 def predicted(prob, choice: np.ndarray) -> dict[str, float]:
     """Seconds per category of the plan whose per-node strategy indices are `choice` in `prob`."""
-    from autopar.canonicalize import packet
-    from autopar.costing import FREE_OPS
+    from autopar.planning.problem import FREE_OPS
     out: dict[str, float] = defaultdict(float)
     for i, node in enumerate(prob.nodes):
         if node.op == "placeholder":

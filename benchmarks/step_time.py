@@ -28,7 +28,7 @@ Variants (same seeded GPT, same global batch):
   FSDP2                            `fully_shard` on every block, then the root; this rank's half.
   TP                               `parallelize_module`: ColwiseParallel c_attn / c_fc, RowwiseParallel
                                    attn.c_proj / mlp.c_proj, everything else replicated; full batch.
-                                   examples/gpt.py's attention reshapes with the global n_head and
+                                   autopar/_testing/gpt.py's attention reshapes with the global n_head and
                                    splits the fused qkv output in thirds, both wrong on a column
                                    shard, so for TP each block's attention is swapped for
                                    `LocalHeadAttention` (same Linear modules, head count read from
@@ -41,22 +41,18 @@ import argparse
 import copy
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from autopar.calibrate import calibrate, size_range  # noqa: E402
-from autopar.mesh import Mesh  # noqa: E402
-from autopar.report import header_lines  # noqa: E402
-from autopar.runtime import autoparallelize  # noqa: E402
-from examples.gpt import GPT, GPTConfig  # noqa: E402
+from autopar import autoparallelize
+from autopar._testing.gpt import GPT, GPTConfig
+from autopar.calibration.measure import calibrate, size_range
+from autopar.inspection.summary import header_lines
+from autopar.mesh import Mesh
 
 AUTOPAR = ("dp", "zero3", "tp", "auto")
 NATIVE = {"dp": "DDP", "zero3": "FSDP2", "tp": "TP"}

@@ -1,4 +1,4 @@
-"""Train the hand-written GPT (examples/gpt.py) on a small shipped text, character-level, with autopar.
+"""Train the hand-written GPT (autopar/_testing/gpt.py) on a small shipped text, character-level, with autopar.
 
     torchrun --nproc_per_node 2 examples/train_gpt.py                 # auto plan on 2 ranks
     torchrun --nproc_per_node 2 examples/train_gpt.py --strategy zero3
@@ -25,11 +25,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # run from a checkout: `autopar` and `examples` importable
 
-from autopar import checkpoint  # noqa: E402
-from autopar.runtime import autoparallelize  # noqa: E402
-from examples.gpt import GPT, GPTConfig  # noqa: E402
+from autopar import autoparallelize
+from autopar._testing.gpt import GPT, GPTConfig
+from autopar.runtime import checkpoint
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -10,11 +10,13 @@ invariants are in `autopar/ir.py`.
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import torch.fx as fx
+
+from autopar.config import disabled_passes, dump_dir
+from autopar.graph import COLLECTIVE, FUSED
 
 from .apply_plan import apply_plan_pass
 from .bucket_collectives import bucket_collectives_pass
@@ -53,7 +55,7 @@ OPTIONAL = frozenset({"recompute", "bucket_collectives", "bucket_layer_gathers",
 def env_disabled() -> frozenset:
     """Pass names in $AUTOPAR_DISABLE_PASSES (comma-separated), checked against `OPTIONAL`."""
     from autopar.errors import InputError
-    names = frozenset(n.strip() for n in os.environ.get("AUTOPAR_DISABLE_PASSES", "").split(",") if n.strip())
+    names = disabled_passes()
     known = {name for name, _ in PIPELINE}
     unknown = sorted(names - known)
     if unknown:
@@ -73,7 +75,7 @@ def describe() -> str:
 def run_passes(gm: fx.GraphModule, ctx: PassContext, *, verify: bool = False) -> fx.GraphModule:
     from autopar.debug import log
     from autopar.ir import verify as verify_ir
-    dump = os.environ.get("AUTOPAR_DUMP_DIR")
+    dump = dump_dir()
     log(2, "passes:\n" + describe())
     disabled = ctx.disabled | env_disabled()
     for i, (name, fn) in enumerate(PIPELINE, start=1):
@@ -98,9 +100,9 @@ def emitted_collectives(gm: fx.GraphModule) -> list[dict]:
     """The logical collectives a lowered program runs (fused buckets expanded), in graph order."""
     out = []
     for node in gm.graph.nodes:
-        if "autopar_collective" in node.meta:
-            out.append(node.meta["autopar_collective"])
-        out.extend(node.meta.get("autopar_fused", ()))  # fused nodes and overlap-scheduled starts
+        if COLLECTIVE in node.meta:
+            out.append(node.meta[COLLECTIVE])
+        out.extend(node.meta.get(FUSED, ()))  # fused nodes and overlap-scheduled starts
     return out
 
 

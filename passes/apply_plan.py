@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from autopar.strategies import is_getitem
+from autopar.graph import INS, MASTER, NAME, OUTS, ROLE, VAL, is_getitem
+
 from .context import PassContext, parse_spec
 
 
@@ -15,19 +16,19 @@ def apply_plan_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             continue
         if is_getitem(node):
             producer, idx = node.args[0], int(node.args[1])
-            node.meta["autopar_outs"] = (producer.meta["autopar_outs"][idx],)
-            node.meta["autopar_ins"] = (producer.meta["autopar_outs"][idx],)
+            node.meta[OUTS] = (producer.meta[OUTS][idx],)
+            node.meta[INS] = (producer.meta[OUTS][idx],)
             continue
         choice = plan.nodes.get(node.name)
         if choice is None:
-            if node.meta.get("val") is None:
+            if node.meta.get(VAL) is None:
                 continue
             raise KeyError(f"plan has no strategy for node {node.name}")
-        node.meta["autopar_outs"] = tuple(parse_spec(o) for o in choice.outs)
-        node.meta["autopar_ins"] = tuple(parse_spec(i) for i in choice.ins)
-        if node.op == "placeholder" and node.meta.get("autopar_role") == "param":
-            p = plan.params[node.meta["autopar_name"]]
-            node.meta["autopar_master"] = parse_spec(p.master)
+        node.meta[OUTS] = tuple(parse_spec(o) for o in choice.outs)
+        node.meta[INS] = tuple(parse_spec(i) for i in choice.ins)
+        if node.op == "placeholder" and node.meta.get(ROLE) == "param":
+            p = plan.params[node.meta[NAME]]
+            node.meta[MASTER] = parse_spec(p.master)
     gm.graph.lint()
     gm.recompile()
     return gm

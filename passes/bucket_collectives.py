@@ -1,7 +1,7 @@
 """bucket_collectives: fuse the gradient (and loss) all-reduces / reduce-scatters at the end of the
 step into flat buckets of at most 25 MB per process group, as DDP and FSDP do, and likewise the
 ZeRO-1/2 parameter all-gathers at the start of the step (each sharded master gathered once). The cost
-model prices exactly this (autopar.reshard / costing: both kinds pay their share of one bucket's
+model prices exactly this (autopar.planning.reshard / planning.problem: both kinds pay their share of one bucket's
 latency); unfused, 50 small gathers cost 50 launches that the plan never priced.
 
 Each fused node keeps the logical collectives it carries in meta["autopar_fused"], so the emitted
@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from autopar._torch_compat import stable_toposort
+from autopar.graph import COLLECTIVE, PASS
 
 from .context import PassContext
 from .ops import fused_all_gather, fused_all_reduce, fused_reduce_scatter
@@ -27,7 +28,7 @@ ZERO_GATHER = "parameter gather (ZeRO-1/2)"  # insert_redistribute's reason for 
 
 def _fusible(wait: fx.Node) -> dict:
     """The fused form this collective may join: step-end reductions and step-start gathers."""
-    reason = wait.meta.get("autopar_collective", {}).get("reason", "")
+    reason = wait.meta.get(COLLECTIVE, {}).get("reason", "")
     if reason.startswith("gradient") or reason == "loss to every rank":
         return STEP_END
     return STEP_START if reason == ZERO_GATHER else {}
@@ -56,13 +57,13 @@ def bucket_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
             fused = gm.graph.call_function(fn, (inputs, *rest))
             outs = [gm.graph.call_function(operator.getitem, (fused, i)) for i in range(len(waits))]
         order.update({n: order[anchor] + 0.5 for n in (fused, *outs)})
-        phase = waits[0].meta["autopar_collective"]["phase"]
-        fused.meta.update(autopar_fused=[w.meta["autopar_collective"] for w in waits], phase=phase,
+        phase = waits[0].meta[COLLECTIVE]["phase"]
+        fused.meta.update(autopar_fused=[w.meta[COLLECTIVE] for w in waits], phase=phase,
                           autopar_pass="bucket_collectives")
         for w, o in zip(waits, outs):
             o.meta.update(w.meta)
-            o.meta.pop("autopar_collective", None)
-            o.meta["autopar_pass"] = "bucket_collectives"
+            o.meta.pop(COLLECTIVE, None)
+            o.meta[PASS] = "bucket_collectives"
             w.replace_all_uses_with(o)
             coll = w.args[0]
             gm.graph.erase_node(w)

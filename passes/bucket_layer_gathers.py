@@ -4,7 +4,7 @@ and phase instead of one per parameter and use (on gloo ~0.3 ms of launch each, 
 
 A gather qualifies when it moves a parameter (its input is a parameter placeholder, through
 `contiguous`); gathers are grouped by (phase, layer, process group), a layer being the first
-numbered module path component of the parameter (`autopar.costing.layer_of`: "transformer.h.3").
+numbered module path component of the parameter (`autopar.planning.problem.layer_of`: "transformer.h.3").
 Parameters outside the stack (embeddings, final norm; a tied embedding is read by the first and the
 last pipeline stage) keep their own gathers, so no group spans two pipeline stages. The fused node
 goes right before the group's first real use (the first user that is not a view or copy of a
@@ -14,7 +14,7 @@ a backward gather never runs in forward.
 Logical collectives are unchanged: the fused node lists them in meta["autopar_fused"] (as
 `bucket_collectives` does), so `emitted_collectives(gm)` still equals `Plan.collectives`. The cost
 model prices each of them at its share of one collective's latencies (`EdgeInfo.gather_share` in
-autopar/costing.py: its bytes over the layer's, at least one over the layer's parameter count).
+autopar/planning/problem.py: its bytes over the layer's, at least one over the layer's parameter count).
 """
 from __future__ import annotations
 
@@ -24,8 +24,7 @@ import torch
 import torch.fx as fx
 
 from autopar._torch_compat import stable_toposort
-from autopar.canonicalize import is_view_like
-from autopar.costing import layer_of
+from autopar.graph import COLLECTIVE, MODULE_PATH, NAME, PASS, ROLE, is_view_like, layer_of
 
 from .context import PassContext
 from .ops import contiguous, dense_in_order, fused_all_gather
@@ -38,13 +37,13 @@ def _param_source(coll: fx.Node) -> fx.Node | None:
     x = coll.args[0]
     while x.op == "call_function" and x.target is contiguous:
         x = x.args[0]
-    return x if x.op == "placeholder" and x.meta.get("autopar_role") == "param" else None
+    return x if x.op == "placeholder" and x.meta.get(ROLE) == "param" else None
 
 
 def _group_key(wait: fx.Node, param: fx.Node) -> tuple | None:
     """(phase, layer, n, group name), or None for a parameter outside the stack of layers."""
-    layer = layer_of(param.meta["autopar_name"])
-    return None if layer is None else (wait.meta["autopar_collective"]["phase"], layer, *wait.args[0].args[1:])
+    layer = layer_of(param.meta[NAME])
+    return None if layer is None else (wait.meta[COLLECTIVE]["phase"], layer, *wait.args[0].args[1:])
 
 
 def _first_use(wait: fx.Node, order: dict) -> int:
@@ -64,14 +63,14 @@ def _fuse(gm: fx.GraphModule, members: list[tuple[fx.Node, fx.Node]], anchor: fx
     with graph.inserting_before(anchor):
         fused = graph.call_function(fused_all_gather, ([p for _, p in members], *members[0][0].args[0].args[1:]))
         outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(members))]
-    fused.meta.update(autopar_fused=[w.meta["autopar_collective"] for w, _ in members],
+    fused.meta.update(autopar_fused=[w.meta[COLLECTIVE] for w, _ in members],
                       autopar_pass="bucket_layer_gathers",
-                      phase=members[0][0].meta["autopar_collective"]["phase"],
-                      module_path=anchor.meta.get("module_path", ""))
+                      phase=members[0][0].meta[COLLECTIVE]["phase"],
+                      module_path=anchor.meta.get(MODULE_PATH, ""))
     for (wait, _), out in zip(members, outs):
         out.meta.update(wait.meta)
-        out.meta.pop("autopar_collective", None)
-        out.meta["autopar_pass"] = "bucket_layer_gathers"
+        out.meta.pop(COLLECTIVE, None)
+        out.meta[PASS] = "bucket_layer_gathers"
         wait.replace_all_uses_with(out)
         coll = wait.args[0]
         src = coll.args[0]

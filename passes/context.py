@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from autopar.graph import OUTS
 from autopar.placement import from_str
 
 
@@ -31,4 +32,4 @@ def parse_spec(strs) -> tuple | None:
 
 def value_spec(node) -> tuple:
     """The spec a node's (single) output value has in the rewritten graph."""
-    return node.meta["autopar_outs"][0]
+    return node.meta[OUTS][0]

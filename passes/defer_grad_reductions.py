@@ -1,13 +1,13 @@
 """defer_grad_reductions: a pipelined program leaves its gradient all-reduces to the runtime, which
 runs them once per step (after the schedule's last backward) instead of once per micro-batch.
 
-The cost model counts a gradient's all-reduce once per step (`autopar.layer_profile`: `per_step`),
+The cost model counts a gradient's all-reduce once per step (`autopar.pipeline.layer_profile`: `per_step`),
 as DDP's no_sync and torchtitan's pipelines run it. This pass, run by the pipelined
 runtime after `run_passes` and before `split_stages` (it is not in `PIPELINE`), removes each
 all-reduce (sum) that lowering put on the path from a gradient to the program's output
 (reason "gradient of <param>"), so the program returns that gradient still Partial on the axis. The
 runtime sums the micro-batches' partial gradients locally (p.grad accumulation) and all-reduces
-each once, bucketed (`autopar/pipeline_runtime.py`). The sum over ranks commutes with the
+each once, bucketed (`autopar/pipeline/runtime.py`). The sum over ranks commutes with the
 micro-batch sum and with the linear ops after the removed collective (slices, copies, other axes'
 reductions), so the step's numbers are unchanged but for the order of floating-point additions.
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from autopar.graph import COLLECTIVE, DEFERRED, OUTS, PASS
 from autopar.placement import P
 
 from .context import PassContext
@@ -38,7 +39,7 @@ def _chain(g: fx.Node) -> list[fx.Node]:
     """The nodes lowering made for one gradient's redistribute, from the output backwards, each the
     single user's input of the next (so nothing else reads an intermediate value)."""
     chain, node = [], g
-    while (node.op == "call_function" and node.meta.get("autopar_pass") == LOWERED and node.args
+    while (node.op == "call_function" and node.meta.get(PASS) == LOWERED and node.args
            and isinstance(node.args[0], fx.Node) and len(node.users) == 1):
         chain.append(node)
         node = node.args[0]
@@ -46,7 +47,7 @@ def _chain(g: fx.Node) -> list[fx.Node]:
 
 
 def _deferrable(wait: fx.Node, name: str) -> bool:
-    info = wait.meta.get("autopar_collective", {})
+    info = wait.meta.get(COLLECTIVE, {})
     coll = wait.args[0] if wait.target is c10d.wait_tensor.default else None
     return (coll is not None and coll.target is c10d.all_reduce.default and coll.args[1] == "sum"
             and len(coll.users) == 1 and info.get("kind") == "all_reduce"
@@ -60,20 +61,20 @@ def defer_grad_reductions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.Graph
     for k, name in enumerate(ctx.grad_names, start=1):
         for wait in [n for n in _chain(out.args[0][k]) if _deferrable(n, name)]:
             coll = wait.args[0]
-            info = wait.meta["autopar_collective"]
+            info = wait.meta[COLLECTIVE]
             axis = ctx.axis_names.index(info["axis"])
             deferred.append(dict(info, param=name, group=coll.args[2], axis_index=axis))
             wait.replace_all_uses_with(coll.args[0])
             gm.graph.erase_node(wait)
             gm.graph.erase_node(coll)
             end = out.args[0][k]   # the gradient the program now returns: Partial on that axis
-            if end.meta.get("autopar_pass") == LOWERED and "autopar_outs" in end.meta:
-                spec = list(end.meta["autopar_outs"][0])
+            if end.meta.get(PASS) == LOWERED and OUTS in end.meta:
+                spec = list(end.meta[OUTS][0])
                 spec[axis] = P
-                end.meta["autopar_outs"] = (tuple(spec),)
+                end.meta[OUTS] = (tuple(spec),)
     if not deferred:
         return gm  # nothing to defer: the graph is returned unchanged
-    gm.meta["autopar_deferred"] = deferred
+    gm.meta[DEFERRED] = deferred
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -1,6 +1,6 @@
 """fuse_addmm: add(mm(A, B), bias) back into one addmm(bias, A, B) where the plan left them together.
 
-`autopar.canonicalize` splits every addmm into mm + add before planning, so a row-parallel plan can
+`autopar.capture.canonicalize` splits every addmm into mm + add before planning, so a row-parallel plan can
 reduce the mm's Partial output before the bias is added once. Where no collective ended up between
 the two (the mm's only user is the add), the split only costs an extra pass over the output: the
 BLAS call adds the bias itself (the step_time GPT's 16 forward linears, 1 thread: 10-30% of their
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+
+from autopar.graph import PASS, VAL
 
 from .context import PassContext
 
@@ -27,7 +29,7 @@ def _mm_and_bias(add: fx.Node) -> tuple[fx.Node, fx.Node] | None:
         if not (isinstance(mm, fx.Node) and isinstance(bias, fx.Node) and mm.op == "call_function"
                 and mm.target is aten.mm.default and len(mm.users) == 1):
             continue
-        mv, bv = mm.meta.get("val"), bias.meta.get("val")
+        mv, bv = mm.meta.get(VAL), bias.meta.get(VAL)
         if isinstance(mv, torch.Tensor) and isinstance(bv, torch.Tensor) and bv.dtype == mv.dtype \
                 and bv.dim() == 1 and mv.dim() == 2:
             return mm, bias
@@ -44,7 +46,7 @@ def fuse_addmm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         with gm.graph.inserting_before(add):
             fused = gm.graph.call_function(aten.addmm.default, (bias, *mm.args))
         fused.meta.update(add.meta)
-        fused.meta["autopar_pass"] = "fuse_addmm"
+        fused.meta[PASS] = "fuse_addmm"
         add.replace_all_uses_with(fused)
         gm.graph.erase_node(add)
         gm.graph.erase_node(mm)

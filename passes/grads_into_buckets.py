@@ -23,12 +23,14 @@ collectives are unchanged; a graph without such a bucket is returned unchanged.
 Memory: the buffer lives from the bucket's first gradient instead of from its start, so up to one
 bucket (BUCKET_BYTES) is allocated earlier in the backward than the gradients it holds were, one by
 one, before (DDP keeps its buckets allocated for the whole run). The plan books every gradient whole
-under "grads", and `autopar.memtrack` counts the buffer as their storage, not as activations.
+under "grads", and `autopar.runtime.memtrack` counts the buffer as their storage, not as activations.
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
+
+from autopar.graph import INTO_BUCKET, PHASE
 
 from .context import PassContext
 from .ops import bucket_buffer, mm_into, start_all_reduce
@@ -73,12 +75,12 @@ def _lay_out(gm: fx.GraphModule, start: fx.Node, at: dict, ctx: PassContext) -> 
     graph = gm.graph
     with graph.inserting_before(min(producers.values(), key=at.__getitem__)):
         flat = graph.call_function(bucket_buffer, (total, layout[0][1], ctx.device))
-    flat.meta.update(autopar_pass=NAME, phase=start.meta.get("phase", "backward"))
+    flat.meta.update(autopar_pass=NAME, phase=start.meta.get(PHASE, "backward"))
     for i, mm in producers.items():
         with graph.inserting_before(mm):
             into = graph.call_function(mm_into, (*mm.args, flat, offsets[i]))
         into.meta.update(mm.meta)
-        into.meta["autopar_into_bucket"] = start.name
+        into.meta[INTO_BUCKET] = start.name
         mm.replace_all_uses_with(into)
         graph.erase_node(mm)
     start.kwargs = {**start.kwargs, "into": flat}

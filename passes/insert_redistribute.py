@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from autopar.graph import INS, MASTER, MODULE_PATH, OUTS, PASS, PHASE, VAL, is_getitem
 from autopar.placement import replicated, spec_str
-from autopar.strategies import is_getitem
+
 from .context import PassContext, value_spec
 from .ops import redistribute
 
@@ -19,7 +20,7 @@ def _add(gm: fx.GraphModule, x: fx.Node, src, dst, phase: str, reason: str, wher
     ctx_mgr = gm.graph.inserting_after(where) if after else gm.graph.inserting_before(where)
     with ctx_mgr:
         r = gm.graph.call_function(redistribute, (x, spec_str(src), spec_str(dst)))
-    r.meta.update(val=x.meta["val"], phase=phase, module_path=where.meta.get("module_path", ""),
+    r.meta.update(val=x.meta[VAL], phase=phase, module_path=where.meta.get(MODULE_PATH, ""),
                   autopar_outs=(dst,), autopar_ins=(src,), autopar_src=src, autopar_reason=reason,
                   autopar_pass="insert_redistribute")
     return r
@@ -27,12 +28,12 @@ def _add(gm: fx.GraphModule, x: fx.Node, src, dst, phase: str, reason: str, wher
 
 def _zero_params(gm: fx.GraphModule) -> None:
     for node in list(gm.graph.nodes):
-        master = node.meta.get("autopar_master")
+        master = node.meta.get(MASTER)
         if master is None or master == value_spec(node):
             continue
         use = value_spec(node)
         users = list(node.users)
-        node.meta["autopar_outs"] = (master,)
+        node.meta[OUTS] = (master,)
         r = _add(gm, node, master, use, "forward", "parameter gather (ZeRO-1/2)", node, after=True)
         for u in users:
             u.replace_input_with(node, r)
@@ -40,16 +41,16 @@ def _zero_params(gm: fx.GraphModule) -> None:
 
 def _op_inputs(gm: fx.GraphModule) -> None:
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or "autopar_ins" not in node.meta or node.target is redistribute \
+        if node.op != "call_function" or INS not in node.meta or node.target is redistribute \
                 or is_getitem(node):  # a getitem reads its producer's output as it is, by construction
             continue
-        if node.meta.get("autopar_pass") == "insert_redistribute":
+        if node.meta.get(PASS) == "insert_redistribute":
             continue
-        for a, want in zip(list(node.all_input_nodes), node.meta["autopar_ins"]):
+        for a, want in zip(list(node.all_input_nodes), node.meta[INS]):
             have = value_spec(a)
             if have != want:
                 reason = f"{spec_str(have)}->{spec_str(want)} for {node.target}"
-                node.replace_input_with(a, _add(gm, a, have, want, node.meta.get("phase", "forward"), reason, node))
+                node.replace_input_with(a, _add(gm, a, have, want, node.meta.get(PHASE, "forward"), reason, node))
 
 
 def _outputs(gm: fx.GraphModule, ctx: PassContext) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from autopar.graph import INS, OUTS, VAL
 from autopar.placement import local_shape
-from autopar.rules.localize import SIZE_ARG, SPLIT_ARG, localize_args
+from autopar.sharding.rules.localize import SIZE_ARG, SPLIT_ARG, localize_args
+
 from .context import PassContext
 
 
@@ -17,7 +19,7 @@ def localize_shapes_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         if node.op == "call_function" and isinstance(node.kwargs.get("device"), torch.device) \
                 and node.kwargs["device"] != torch.device(ctx.device):
             node.kwargs = {**node.kwargs, "device": torch.device(ctx.device)}
-        if node.op != "call_function" or "autopar_outs" not in node.meta or "val" not in node.meta:
+        if node.op != "call_function" or OUTS not in node.meta or VAL not in node.meta:
             continue
         packet = getattr(node.target, "overloadpacket", None)
         if packet is torch.ops.aten.convolution_backward:
@@ -26,11 +28,11 @@ def localize_shapes_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         if packet is None or (packet not in SIZE_ARG and packet not in SPLIT_ARG
                               and packet.__name__ not in ("slice", "slice_copy")):
             continue
-        val = node.meta["val"]
-        out_spec = node.meta["autopar_outs"][0]
+        val = node.meta[VAL]
+        out_spec = node.meta[OUTS][0]
         inputs = node.all_input_nodes
-        in_val = inputs[0].meta.get("val") if inputs else None
-        in_spec = node.meta["autopar_ins"][0] if inputs else None
+        in_val = inputs[0].meta.get(VAL) if inputs else None
+        in_spec = node.meta[INS][0] if inputs else None
         out_shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None  # a split: several outputs
         node.args = localize_args(node.target, node.args, out_shape, out_spec,
                                   tuple(in_val.shape) if in_val is not None else None, in_spec, ctx.axis_sizes)
@@ -41,7 +43,7 @@ def localize_shapes_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
 
 def _localize_bias_sizes(node: fx.Node, ctx: PassContext) -> None:
     """convolution_backward's `bias_sizes` (argument 3) is the bias gradient's shape: make it local."""
-    spec, bias = node.meta["autopar_outs"][2], node.meta["val"][2]
+    spec, bias = node.meta[OUTS][2], node.meta[VAL][2]
     if node.args[3] is None or spec is None or bias is None:
         return
     args = list(node.args)

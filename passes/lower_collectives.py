@@ -1,5 +1,5 @@
 """lower_collectives: replace each abstract redistribute with functional collectives on the right
-mesh-axis process group, one mesh axis at a time (the order `autopar.reshard.steps` prices).
+mesh-axis process group, one mesh axis at a time (the order `autopar.planning.reshard.steps` prices).
 
 Per axis of size n, with this rank at coordinate c:
     S(d) -> R     all_gather_into_tensor along d          P -> R     all_reduce(op)
@@ -10,7 +10,7 @@ Per axis of size n, with this rank at coordinate c:
 Collectives work on dim 0: along a dim d != 0, one permute-copy moves the n pieces between dim 0
 and their place (after a gather, before a reduce-scatter). Inputs are copied only when not dense. Every
 collective's wait node carries meta["autopar_collective"] = (kind, axis, phase, reason).
-MoE grouped matmuls (autopar/rules/moe.py) split by rows get this rank's offsets; expert-parallel ones
+MoE grouped matmuls (autopar/sharding/rules/moe.py) split by rows get this rank's offsets; expert-parallel ones
 are lowered to dispatch all_to_all -> local grouped matmul (-> combine all_to_all), split sizes from
 `offs` at run time.
 Under a mixed-precision plan whose reduce_dtype is narrower than a gradient's dtype, the gradient is
@@ -23,11 +23,14 @@ import operator
 import torch
 import torch.fx as fx
 
-from autopar.placement import R, is_partial, is_shard, is_strided, local_shape, pieces
+from autopar.capture.moe_ops import GROUPED_MM, GROUPED_MM_WGRAD
 from autopar.debug import log
-from autopar.reshard import transitions
-from autopar.rules import moe
+from autopar.graph import COLLECTIVE, INS, MODULE_PATH, OUTS, PHASE, REASON, SRC, VAL
+from autopar.placement import R, is_partial, is_shard, is_strided, local_shape, pieces
+from autopar.planning.reshard import transitions
+from autopar.sharding.rules.moe import ep_axes
 
+from . import moe_dispatch
 from .context import PassContext
 from .ops import contiguous, dense_in_order, redistribute
 
@@ -45,7 +48,7 @@ class _Emitter:
         with self.gm.graph.inserting_before(self.anchor):
             node = self.gm.graph.call_function(target, args)
         node.meta.update(phase=self.info["phase"], autopar_pass="lower_collectives",
-                         module_path=self.anchor.meta.get("module_path", ""))
+                         module_path=self.anchor.meta.get(MODULE_PATH, ""))
         return node
 
     def call_kw(self, target, args: tuple, kwargs: dict) -> fx.Node:
@@ -55,7 +58,7 @@ class _Emitter:
 
     def collective(self, kind: str, axis: int, target, *args) -> fx.Node:
         wait = self.call(c10d.wait_tensor.default, self.call(target, *args))
-        wait.meta["autopar_collective"] = dict(kind=kind, axis=self.ctx.axis_names[axis], **self.info)
+        wait.meta[COLLECTIVE] = dict(kind=kind, axis=self.ctx.axis_names[axis], **self.info)
         log(3, f"{kind} on axis {self.ctx.axis_names[axis]} ({self.info['phase']}): {self.info['reason']}")
         return wait
 
@@ -131,7 +134,7 @@ def _strided_axis(em: _Emitter, x: fx.Node, src, dst, axis: int, shape: tuple) -
     """Moves to or from a strided shard SS(d, k) (rank r holds [piece0_r; ...; piece(k-1)_r]):
         SS -> R   all_gather along d ([n, k, m] blocks), then reorder to [k, n, m]
         R -> SS   keep block c of each piece          P -> SS   reorder to [n, k, m], reduce_scatter
-        anything else: through Replicate (as autopar.reshard prices it)."""
+        anything else: through Replicate (as autopar.planning.reshard prices it)."""
     n, c = em.ctx.axis_sizes[axis], em.ctx.coords[axis]
     if is_strided(src):
         d, k = src.dim, pieces(src)
@@ -172,12 +175,12 @@ def _restore_layout(em: _Emitter, y: fx.Node, val: torch.Tensor) -> fx.Node:
 
 def _reduce_dtype(ctx: PassContext, node: fx.Node, steps) -> torch.dtype | None:
     """The dtype a gradient's collectives move when the plan's mixed precision asks for a narrower one
-    than the gradient's (`reduce_dtype`, autopar.precision; the cost model prices the same bytes);
+    than the gradient's (`reduce_dtype`, autopar.capture.precision; the cost model prices the same bytes);
     None: move the value as it is."""
     policy = getattr(ctx.plan, "mixed_precision", None)
-    if not policy or not node.meta.get("autopar_reason", "").startswith("gradient"):
+    if not policy or not node.meta.get(REASON, "").startswith("gradient"):
         return None
-    wire, have = getattr(torch, policy["reduce_dtype"]), node.meta["val"].dtype
+    wire, have = getattr(torch, policy["reduce_dtype"]), node.meta[VAL].dtype
     if not have.is_floating_point or wire.itemsize >= have.itemsize:
         return None
     moves = any((is_partial(frm) or is_shard(frm)) and ctx.axis_sizes[axis] > 1 for axis, frm, _ in steps)
@@ -185,11 +188,11 @@ def _reduce_dtype(ctx: PassContext, node: fx.Node, steps) -> torch.dtype | None:
 
 
 def _lower_one(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> None:
-    x, src, dst = node.args[0], node.meta["autopar_src"], node.meta["autopar_outs"][0]
-    info = dict(phase=node.meta.get("phase", "forward"), reason=node.meta.get("autopar_reason", ""),
+    x, src, dst = node.args[0], node.meta[SRC], node.meta[OUTS][0]
+    info = dict(phase=node.meta.get(PHASE, "forward"), reason=node.meta.get(REASON, ""),
                 source=x.name)
     em = _Emitter(gm, node, ctx, info)
-    gshape = tuple(node.meta["val"].shape)
+    gshape = tuple(node.meta[VAL].shape)
     current = list(src)
     steps = transitions(tuple(src), tuple(dst))
     wire = _reduce_dtype(ctx, node, steps)
@@ -199,11 +202,11 @@ def _lower_one(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> None:
         y = _axis(em, y, frm, to, axis, lshape)
         current[axis] = to
     if wire is not None:  # back to the parameter's dtype (fp32) for the optimizer
-        y = em.call_kw(aten._to_copy.default, (y,), {"dtype": node.meta["val"].dtype})
+        y = em.call_kw(aten._to_copy.default, (y,), {"dtype": node.meta[VAL].dtype})
     if y is not x:  # permutes and slices leave strides the graph's later views never saw
-        y = _restore_layout(em, y, node.meta["val"])
-    y.meta["autopar_outs"] = (tuple(dst),)
-    y.meta.setdefault("val", node.meta["val"])  # the global value, as users' shape rewrites expect
+        y = _restore_layout(em, y, node.meta[VAL])
+    y.meta[OUTS] = (tuple(dst),)
+    y.meta.setdefault(VAL, node.meta[VAL])  # the global value, as users' shape rewrites expect
     node.replace_all_uses_with(y)
     gm.graph.erase_node(node)
 
@@ -214,7 +217,7 @@ def lower_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is redistribute:
             _lower_one(gm, node, ctx)
-        elif node.op == "call_function" and node.target in (moe.GROUPED_MM, moe.GROUPED_MM_WGRAD):
+        elif node.op == "call_function" and node.target in (GROUPED_MM, GROUPED_MM_WGRAD):
             _lower_grouped(gm, node, ctx)
     gm.graph.lint()
     gm.recompile()
@@ -237,37 +240,37 @@ def _nested_range(spec, size: int, dim_coords, ctx: PassContext) -> tuple[int, i
 
 def _lower_grouped(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> None:
     """Rows split (x Shard(0)): offsets relative to this rank's rows. Expert parallel (experts split
-    too): all_to_all the rows to the ranks holding their experts, and back (autopar/rules/moe.py)."""
-    ins, outs = node.meta["autopar_ins"], node.meta["autopar_outs"]
+    too): all_to_all the rows to the ranks holding their experts, and back (autopar/sharding/rules/moe.py)."""
+    ins, outs = node.meta[INS], node.meta[OUTS]
     if not any(is_shard(p, 0) for p in ins[0]):
         return
-    rows = node.all_input_nodes[0].meta["val"].shape[0]
-    experts_spec = ins[1] if node.target is moe.GROUPED_MM else outs[0]
-    experts = node.args[2].meta["val"].shape[0]
-    axes = moe.ep_axes(node.target, ins, outs)
+    rows = node.all_input_nodes[0].meta[VAL].shape[0]
+    experts_spec = ins[1] if node.target is GROUPED_MM else outs[0]
+    experts = node.args[2].meta[VAL].shape[0]
+    axes = ep_axes(node.target, ins, outs)
     if len(axes) > 1:
         raise NotImplementedError("expert parallelism on more than one mesh axis is not lowered yet")
-    info = dict(phase=node.meta.get("phase", "forward"), reason=f"expert dispatch for {node.name}", source=node.name)
+    info = dict(phase=node.meta.get(PHASE, "forward"), reason=f"expert dispatch for {node.name}", source=node.name)
     em = _Emitter(gm, node, ctx, info)
     if not axes:
         lo, hi = _nested_range(ins[0], rows, ctx.coords, ctx)
-        node.args = (*node.args[:2], em.call(moe.local_offsets, node.args[2], lo, hi, 0, experts))
+        node.args = (*node.args[:2], em.call(moe_dispatch.local_offsets, node.args[2], lo, hi, 0, experts))
         return
     axis = axes[0]
     members = []
     for q in range(ctx.axis_sizes[axis]):
         coords = [*ctx.coords[:axis], q, *ctx.coords[axis + 1:]]
         members.append((_nested_range(ins[0], rows, coords, ctx), _nested_range(experts_spec, experts, coords, ctx)))
-    plan = em.call(moe.ep_dispatch, node.args[2], members, ctx.coords[axis])
+    plan = em.call(moe_dispatch.ep_dispatch, node.args[2], members, ctx.coords[axis])
     send, recv, offs = (em.call(operator.getitem, plan, i) for i in range(3))
     group = ctx.group_names[axis]
     moved = [em.collective("all_to_all", axis, c10d.all_to_all_single.default, em.call(contiguous, a), recv, send, group)
-             for a in node.args[:1 if node.target is moe.GROUPED_MM else 2]]
-    if node.target is moe.GROUPED_MM:
+             for a in node.args[:1 if node.target is GROUPED_MM else 2]]
+    if node.target is GROUPED_MM:
         y = em.call(node.target, moved[0], node.args[1], offs)
         y = em.collective("all_to_all", axis, c10d.all_to_all_single.default, y, send, recv, group)
     else:
         y = em.call(node.target, moved[0], moved[1], offs)
-    y.meta.update(val=node.meta["val"], autopar_outs=outs)
+    y.meta.update(val=node.meta[VAL], autopar_outs=outs)
     node.replace_all_uses_with(y)
     gm.graph.erase_node(node)

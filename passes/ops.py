@@ -37,7 +37,7 @@ def dense_in_order(x: torch.Tensor, order: list[int]) -> torch.Tensor:
 contiguous.__module__ = dense_in_order.__module__ = "autopar.passes.ops"
 
 
-BUCKET_BYTES = 25 * 2**20  # as autopar.reshard.BUCKET_BYTES: the cost model prices this bucketing
+BUCKET_BYTES = 25 * 2**20  # as autopar.planning.reshard.BUCKET_BYTES: the cost model prices this bucketing
 
 
 def _buckets(tensors: list[torch.Tensor]) -> list[list[int]]:

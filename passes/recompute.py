@@ -1,7 +1,7 @@
 """recompute: re-run the forward ops of each layer in `plan.recompute` right before backward needs
 them, so the originals die at the end of forward (activation checkpointing, chosen by the solver).
 
-Which ops are copied is `autopar.recompute.copied_nodes`: what backward reads of the layer, and
+Which ops are copied is `autopar.planning.recompute.copied_nodes`: what backward reads of the layer, and
 their inputs inside it; the layer's outputs (read by later layers) stay the checkpoints. Random ops
 (dropout) are never copied: the copies read the original mask, so recompute reproduces it exactly
 (the mask is kept, the RNG is not replayed). The copies carry the originals' meta (value, planned
@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from autopar.recompute import copied_nodes, layer_nodes
+from autopar.graph import reads_in_backward
+from autopar.planning.recompute import copied_nodes, layer_nodes
+
 from .context import PassContext
-
-
-def _reads_in_backward(user: fx.Node) -> bool:
-    return user.op == "output" or user.meta.get("phase") != "forward"
 
 
 def rematerialize(gm: fx.GraphModule, copies: list[fx.Node], path: str) -> dict[fx.Node, fx.Node]:
@@ -29,7 +27,7 @@ def rematerialize(gm: fx.GraphModule, copies: list[fx.Node], path: str) -> dict[
     if not copies:
         return {}
     order = {n: k for k, n in enumerate(gm.graph.nodes)}
-    readers = [u for v in copies for u in v.users if _reads_in_backward(u)]
+    readers = [u for v in copies for u in v.users if reads_in_backward(u)]
     anchor = min(readers, key=order.__getitem__)
     env: dict[fx.Node, fx.Node] = {}
     with gm.graph.inserting_before(anchor):
@@ -39,7 +37,7 @@ def rematerialize(gm: fx.GraphModule, copies: list[fx.Node], path: str) -> dict[
                       "autopar_recompute_layer": path}
             env[v] = c
     for v, c in env.items():
-        for u in [u for u in v.users if _reads_in_backward(u) and u is not c]:
+        for u in [u for u in v.users if reads_in_backward(u) and u is not c]:
             u.replace_input_with(v, c)
     return env
 

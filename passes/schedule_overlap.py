@@ -26,11 +26,19 @@ import torch
 import torch.fx as fx
 
 from autopar._torch_compat import stable_toposort
+from autopar.graph import FUSED, MODULE_PATH, OUTS, PASS, PHASE, VAL
 from autopar.placement import local_shape
 
 from .context import PassContext
-from .ops import (BUCKET_BYTES, contiguous, fused_all_reduce, fused_reduce_scatter, start_all_reduce,
-                  start_reduce_scatter, wait_buckets)
+from .ops import (
+    BUCKET_BYTES,
+    contiguous,
+    fused_all_reduce,
+    fused_reduce_scatter,
+    start_all_reduce,
+    start_reduce_scatter,
+    wait_buckets,
+)
 
 FIRST_BUCKET_BYTES = 2**20  # small, so the first reduction starts early in the backward (DDP's choice)
 COPIES = (contiguous, torch.ops.aten._to_copy.default)
@@ -41,7 +49,7 @@ def local_numel_dtype(node: fx.Node, ctx: PassContext) -> tuple[int, torch.dtype
     """This rank's element count and dtype of a collective's input: the planned local shape of the
     value it copies (through contiguous / dtype casts, whose dtype counts); None where no node says."""
     dtype = None
-    while "autopar_outs" not in node.meta or "val" not in node.meta:
+    while OUTS not in node.meta or VAL not in node.meta:
         if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
             return None
         if node.target is torch.ops.aten._to_copy.default and dtype is None:
@@ -49,7 +57,7 @@ def local_numel_dtype(node: fx.Node, ctx: PassContext) -> tuple[int, torch.dtype
         elif node.target is not contiguous and node.target is not torch.ops.aten._to_copy.default:
             return None
         node = node.args[0]
-    val, spec = node.meta["val"], node.meta["autopar_outs"][0]
+    val, spec = node.meta[VAL], node.meta[OUTS][0]
     if not isinstance(val, torch.Tensor) or spec is None:
         return None
     return torch.Size(local_shape(spec, tuple(val.shape), ctx.axis_sizes)).numel(), dtype or val.dtype
@@ -101,9 +109,9 @@ def _split(gm: fx.GraphModule, fused: fx.Node, order: dict, ctx: PassContext) ->
         last = max((inputs[i] for i in bucket), key=order.__getitem__)
         with graph.inserting_after(last):
             start = graph.call_function(START[fused.target], ([inputs[i] for i in bucket], *rest))
-        start.meta.update(autopar_fused=[fused.meta["autopar_fused"][i] for i in bucket],
-                          phase=last.meta.get("phase", "backward"), autopar_pass="schedule_overlap",
-                          module_path=last.meta.get("module_path", ""))
+        start.meta.update(autopar_fused=[fused.meta[FUSED][i] for i in bucket],
+                          phase=last.meta.get(PHASE, "backward"), autopar_pass="schedule_overlap",
+                          module_path=last.meta.get(MODULE_PATH, ""))
         order[start] = order[last] + 0.99  # after last's copies (if any), before the next original node
         users = [u for i in bucket if i in outs for u in outs[i].users]
         first = min(users, key=order.__getitem__) if users else graph.output_node()
@@ -114,7 +122,7 @@ def _split(gm: fx.GraphModule, fused: fx.Node, order: dict, ctx: PassContext) ->
         order[wait] = order.get(first, len(order)) - 0.5
         for i, get in gets.items():
             get.meta.update(outs[i].meta)
-            get.meta["autopar_pass"] = "schedule_overlap"
+            get.meta[PASS] = "schedule_overlap"
             order[get] = order[wait]
             outs[i].replace_all_uses_with(get)
             graph.erase_node(outs[i])

@@ -1,6 +1,6 @@
 """split_stages: one rank's rewritten joint graph -> the forward and backward program of its stage.
 
-A pipelined plan cuts the micro-batch graph between units (`autopar.layer_profile`: "<pre>", one
+A pipelined plan cuts the micro-batch graph between units (`autopar.pipeline.layer_profile`: "<pre>", one
 unit per layer of the stack, "<post>"); `Plan.stages[k].modules` lists the units of stage k. This
 pass runs after `run_passes` (the graph is already this rank's SPMD program on the sub-mesh) and is
 called by the runtime, not listed in `PIPELINE`: it returns several graphs, not one.
@@ -28,7 +28,7 @@ Gradient all-reduces that `defer_grad_reductions` took out of the graph (the run
 per step) are listed with the stage whose parameters they reduce (`StageProgram.deferred`).
 
 Interleaved plans cut the graph into p*v chunks (`Plan.stages` lists one per chunk); the split is the
-same as for p*v stages: which rank runs a chunk is the runtime's business (autopar/pipeline_runtime.py).
+same as for p*v stages: which rank runs a chunk is the runtime's business (autopar/pipeline/runtime.py).
 
 Invariants (`check_programs`): every original op runs in exactly one stage or is floating; forward
 units never decrease along data flow; each stage's boundary outputs are the next stage's inputs.
@@ -40,9 +40,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autopar.costing import layer_of
 from autopar.errors import AutoparError
-from autopar.ir import ancestors
+from autopar.graph import DEFERRED, MODULE_PATH, NAME, OUTS, PHASE, ROLE, UNSCOPED, VAL, ancestors, layer_of
 
 PRE, POST = "<pre>", "<post>"
 _FOREIGN = object()   # another stage's contribution to a shared parameter's gradient: left out
@@ -92,8 +91,8 @@ class StageProgram:
 # ---------------------------------------------------------------- where each node goes
 
 def _phase(node: fx.Node, phase: dict) -> str:
-    if "phase" in node.meta:
-        return node.meta["phase"]
+    if PHASE in node.meta:
+        return node.meta[PHASE]
     return "backward" if any(phase.get(a) == "backward" for a in node.all_input_nodes) else "forward"
 
 
@@ -134,7 +133,7 @@ class _UnitRules:
         if all(_is_state(a) or a in self.floating for a in node.all_input_nodes):
             self.floating.add(node)
             return
-        path = node.meta.get("module_path", "") or ""
+        path = node.meta.get(MODULE_PATH, "") or ""
         key = layer_of(path)
         block = self.index.get(f"{key[0]}.{key[1]}") if key is not None and key[0] == self.stack else None
         if self.phase[node] == "forward":
@@ -161,7 +160,7 @@ class _UnitRules:
             return block
         if path and path in self.by_path:
             return self.by_path[path]
-        if seq is not None and seq in self.by_seq and not node.meta.get("autopar_unscoped"):
+        if seq is not None and seq in self.by_seq and not node.meta.get(UNSCOPED):
             return self.by_seq[seq]
         self.by_flow.add(node)
         inputs = [a for a in node.all_input_nodes if a in self.unit]
@@ -177,7 +176,7 @@ def graph_units(gm: fx.GraphModule) -> list[str]:
     (the container with the most numbered layers), "<post>"."""
     layers: dict[str, set[int]] = {}
     for node in gm.graph.nodes:
-        key = layer_of(node.meta.get("module_path", "") or "") if node.op == "call_function" else None
+        key = layer_of(node.meta.get(MODULE_PATH, "") or "") if node.op == "call_function" else None
         if key is not None:
             layers.setdefault(key[0], set()).add(key[1])
     stack = max(layers, key=lambda c: len(layers[c]), default="")
@@ -185,11 +184,11 @@ def graph_units(gm: fx.GraphModule) -> list[str]:
 
 
 def _is_state(node: fx.Node) -> bool:
-    return node.op == "placeholder" and node.meta.get("autopar_role") in ("param", "buffer")
+    return node.op == "placeholder" and node.meta.get(ROLE) in ("param", "buffer")
 
 
 def _role(node: fx.Node) -> str:
-    return node.meta.get("autopar_role", "") if node.op == "placeholder" else ""
+    return node.meta.get(ROLE, "") if node.op == "placeholder" else ""
 
 
 # ---------------------------------------------------------------- the split
@@ -205,7 +204,7 @@ class _Split:
         self.stage = {n: stage_of_unit[u] for n, u in units.unit.items()}
         out = gm.graph.output_node().args[0]
         self.loss, self.grads = out[0], dict(zip(grad_names, out[1:]))
-        self.placeholders = {n.meta["autopar_name"]: n for n in gm.graph.nodes if n.op == "placeholder"}
+        self.placeholders = {n.meta[NAME]: n for n in gm.graph.nodes if n.op == "placeholder"}
         self.inputs = [n for n in gm.graph.nodes if _role(n) == "input"]
         self.diff = self._differentiable()
         self.owners = self._owners()
@@ -273,8 +272,8 @@ class _Split:
         return out
 
     def _boundary_of(self, u: fx.Node, s: int, t: int) -> fx.Node:
-        val = u.meta["val"]
-        found = [b for b in self.boundary(s) if b in self.diff and _same(b.meta["val"], val)
+        val = u.meta[VAL]
+        found = [b for b in self.boundary(s) if b in self.diff and _same(b.meta[VAL], val)
                  and any(self.stage.get(x, -1) >= t and self.phase[x] == "forward" for x in b.users)]
         if len(found) != 1:
             raise StageSplitError(
@@ -326,7 +325,7 @@ class _Builder:
         if node in self.env:
             return self.env[node]
         if _is_state(node):
-            return self.arg((node.meta["autopar_role"], node.meta["autopar_name"]), node)
+            return self.arg((node.meta[ROLE], node.meta[NAME]), node)
         if node in self.split.floating:
             return self.copy(node)
         raise AssertionError(f"split_stages: {node.name} is not available in this program")
@@ -421,7 +420,7 @@ def _backward_program(split: _Split, s: int, inputs: list, outputs: list, saved:
 
 
 def _spec(node: fx.Node):
-    outs = node.meta.get("autopar_outs")
+    outs = node.meta.get(OUTS)
     return outs[0] if outs else None
 
 
@@ -439,7 +438,7 @@ def _grad_specs(split: _Split, values: list) -> dict:
 
 
 def _value_meta(node: fx.Node) -> tuple:
-    val, outs = node.meta["val"], node.meta.get("autopar_outs")
+    val, outs = node.meta[VAL], node.meta.get(OUTS)
     return tuple(val.shape), val.dtype, (outs[0] if outs else None)
 
 
@@ -471,7 +470,7 @@ def split_stages(gm: fx.GraphModule, stage_units: list[list[str]], unit_names: l
             shared_params=[p for p in split.cones if s in split.owners[p]],
             values={x.name: _value_meta(x) for x in inputs + outputs},
             grad_specs=_grad_specs(split, inputs + outputs),
-            deferred=[d for d in gm.meta.get("autopar_deferred", ()) if d["param"] in grad_params]))
+            deferred=[d for d in gm.meta.get(DEFERRED, ()) if d["param"] in grad_params]))
         inputs = outputs
     check_programs(programs)
     return programs

@@ -28,9 +28,18 @@ import operator
 import torch
 import torch.fx as fx
 
+from autopar.graph import PHASE
+
 from .context import PassContext
-from .ops import (bucket_buffer, contiguous, dense_in_order, mm_into, start_all_reduce, start_reduce_scatter,
-                  wait_buckets)
+from .ops import (
+    bucket_buffer,
+    contiguous,
+    dense_in_order,
+    mm_into,
+    start_all_reduce,
+    start_reduce_scatter,
+    wait_buckets,
+)
 
 aten = torch.ops.aten
 WRITES_IN_PLACE = (bucket_buffer, mm_into)  # their storage is written again later in the step
@@ -106,7 +115,7 @@ def _merge_duplicates(graph: fx.Graph) -> int:
             continue
         if not _pure(node):
             continue
-        key = (node.meta.get("phase"), node.target, _freeze(node.args), _freeze(node.kwargs))
+        key = (node.meta.get(PHASE), node.target, _freeze(node.args), _freeze(node.kwargs))
         first = seen.setdefault(key, node)
         if first is not node:
             node.replace_all_uses_with(first)

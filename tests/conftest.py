@@ -1,13 +1,7 @@
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))          # test helpers: models, dist_utils, simulate
-sys.path.insert(0, str(HERE.parent))   # examples/
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -15,7 +9,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 @pytest.fixture(scope="module")
 def gpt_case():
     """A tiny hand-written GPT (2 layers, 32 wide, seed 0) and its (ids, targets) example."""
-    from examples.gpt import GPT, GPTConfig
+    from autopar._testing.gpt import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
     ids = torch.randint(0, 64, (8, 16))

@@ -8,12 +8,11 @@ from collections import Counter
 import torch
 
 import autopar
-from autopar.canonicalize import is_view_like
-from autopar.costing import layer_of
+from autopar._testing.dist_cases import lowered_for_rank0_of_2
+from autopar.graph import is_view_like, layer_of
 from autopar.passes import PIPELINE, PassContext, emitted_collectives
 from autopar.passes.bucket_layer_gathers import bucket_layer_gathers_pass
 from autopar.passes.ops import contiguous, dense_in_order, fused_all_gather
-from dist_cases import lowered_for_rank0_of_2
 
 c10d = torch.ops._c10d_functional
 

@@ -5,16 +5,16 @@ import random
 
 import numpy as np
 import pytest
+from tests.dist_utils import run_distributed
 
-from autopar import cpu_memory
-from autopar.calibrate import build_profile, calibrate, parse_size, size_range
-from autopar.calibrate_fit import Sample, fit_alpha_beta, fit_line, fit_links
-from autopar.cli import main
+from autopar.calibration.fit import Sample, fit_alpha_beta, fit_line, fit_links
+from autopar.calibration.measure import build_profile, calibrate, parse_size, size_range
 from autopar.costmodel import comm
 from autopar.costmodel.hardware import CPU, H100, HardwareSpec, LinkSpec, get_hardware
 from autopar.errors import HardwareError, InputError
+from autopar.inspection.cli import main
 from autopar.mesh import Mesh
-from tests.dist_utils import run_distributed
+from autopar.runtime import cpu_memory
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 SIZES = [4 ** k * 1024 for k in range(8)]

@@ -1,4 +1,4 @@
-"""Tests of autopar.capture: joint graphs of small and real-size (meta) models, their numerics
+"""Tests of autopar.capture.trace: joint graphs of small and real-size (meta) models, their numerics
 against eager autograd, their names and node meta, and the errors a user can hit."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import models
-from autopar.capture import Captured, capture
+from autopar._testing import models
+from autopar.capture.trace import Captured, capture
 from autopar.errors import InputError, NoLossError, TraceError
 
 _MM = ("mm", "addmm", "bmm")
@@ -171,7 +171,7 @@ def test_meta_llama3_8b_shape_two_layers():
 
 
 def test_gpt_materializes_from_meta_with_tie_and_same_init():
-    from examples.gpt import GPT
+    from autopar._testing.gpt import GPT
     config = models.tiny_gpt().model.config
     with torch.device("meta"):
         lazy = GPT(config)

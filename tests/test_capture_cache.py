@@ -1,4 +1,4 @@
-"""The capture cache (autopar/capture_cache.py): the same model, inputs and options are traced once;
+"""The capture cache (autopar/capture/cache.py): the same model, inputs and options are traced once;
 any change to what the trace depends on traces again; callers get copies they may rewrite; results
 are the same with and without the cache."""
 from __future__ import annotations
@@ -13,10 +13,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import autopar
-from autopar import capture as capture_module
-from autopar.canonicalize import canonicalize
-from autopar.capture import capture
-from autopar.capture_cache import clear_capture_cache
+from autopar.capture import trace as capture_module
+from autopar.capture.cache import clear_capture_cache
+from autopar.capture.canonicalize import canonicalize
+from autopar.capture.trace import capture
 
 
 class MLP(nn.Module):

@@ -1,4 +1,4 @@
-"""Strided shards through torch.distributed.checkpoint (autopar/checkpoint.py), on 2 gloo ranks.
+"""Strided shards through torch.distributed.checkpoint (autopar/runtime/checkpoint.py), on 2 gloo ranks.
 
 DCP cannot save a `_StridedShard` DTensor (rank r's [q_r; k_r; v_r] is no contiguous chunk: its save
 fails with "overlapping chunks"); a parallelized module hands such parameters and their optimizer
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from dist_utils import run_distributed
+from autopar._testing.dist_utils import run_distributed
 
 
 def _round_trip(rank, world, path):
@@ -17,9 +17,9 @@ def _round_trip(rank, world, path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from autopar import checkpoint
     from autopar._torch_compat import strided_shard
     from autopar.placement import is_strided
+    from autopar.runtime import checkpoint
 
     mesh = init_device_mesh("cpu", (world,))
     full = torch.arange(24.0).reshape(12, 2)   # [q; k; v], 4 rows each

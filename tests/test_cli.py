@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopar.cli import main
+from autopar.inspection.cli import main
 from autopar.plan import Plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -19,7 +19,7 @@ FACTORY = f"{Path(__file__).resolve()}:tiny_gpt"
 
 def tiny_gpt():
     """The factory the CLI tests plan: (model, example_inputs)."""
-    from examples.gpt import GPT, GPTConfig
+    from autopar._testing.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=64))

@@ -11,7 +11,7 @@ import warnings
 import pytest
 
 import autopar
-import models
+from autopar._testing import models
 from autopar.costmodel.comm import collective_bytes_moved
 
 N = 4

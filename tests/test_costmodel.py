@@ -13,6 +13,7 @@ import torch
 from autopar.costmodel import comm, compute, hardware, memory
 from autopar.costmodel.hardware import HardwareSpec, LinkSpec, get_hardware
 from autopar.errors import HardwareError, InputError
+from autopar.graph import layer_of, nbytes_of, packet, val_of
 
 aten = torch.ops.aten
 LINK = LinkSpec(bandwidth=450e9, latency=5e-6)
@@ -330,9 +331,9 @@ def test_view_ops_pay_the_dispatch_overhead_alone():
     a view node costs exactly op_overhead, and each op node (views included) adds one op_overhead to
     the step; the presets' overhead is 0, so their view ops stay free."""
     import autopar
-    from autopar.canonicalize import canonicalize, packet
-    from autopar.capture import capture
-    from autopar.costing import FREE_OPS, ProblemBuilder
+    from autopar.capture.canonicalize import canonicalize
+    from autopar.capture.trace import capture
+    from autopar.planning.problem import FREE_OPS, ProblemBuilder
     model, args = _two_weight_mlp()
     captured = capture(model, args, loss_fn=lambda out, x: out.square().mean())
     canonicalize(captured.gm)
@@ -400,7 +401,7 @@ def test_each_collective_pays_the_sync_latency_once_bucketed_gradients_their_sha
     its send_recv fit."""
     import autopar
     from autopar.placement import P, R
-    from autopar.reshard import BUCKET_BYTES, ReshardCost
+    from autopar.planning.reshard import BUCKET_BYTES, ReshardCost
     sync = 1e-3
     base, slow = (autopar.Mesh((2,), hardware=dataclasses.replace(hardware.CPU, sync_latency=s)) for s in (0.0, sync))
     fast_rc, slow_rc = ReshardCost(base), ReshardCost(slow)
@@ -422,7 +423,7 @@ def test_a_gather_share_scales_the_latencies_of_all_gathers_only():
     import autopar
     from autopar.costmodel.comm import collective_time
     from autopar.placement import P, R, S
-    from autopar.reshard import LAUNCH_FRACTION, ReshardCost
+    from autopar.planning.reshard import LAUNCH_FRACTION, ReshardCost
     hw = dataclasses.replace(hardware.CPU, sync_latency=1e-3)
     rc = ReshardCost(autopar.Mesh((4,), hardware=hw))
     link = hw.link("intra", "all_gather")
@@ -443,12 +444,12 @@ def test_a_parameter_gathered_with_its_layer_pays_its_share_of_one_collective():
     parameter's data edges carry max(its bytes over the layer's, 1 / the layer's parameter count) as
     `gather_share`; parameters outside the numbered layers (embeddings, final norm) and activations
     pay a whole one."""
-    import autopar
-    from autopar.canonicalize import canonicalize
-    from autopar.capture import capture
-    from autopar.costing import ProblemBuilder, layer_of, nbytes_of
-    from autopar.strategies import val_of
     from tests.models import tiny_gpt
+
+    import autopar
+    from autopar.capture.canonicalize import canonicalize
+    from autopar.capture.trace import capture
+    from autopar.planning.problem import ProblemBuilder
     case = tiny_gpt()
     captured = capture(case.model, case.example_inputs)
     canonicalize(captured.gm)

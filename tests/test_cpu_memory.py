@@ -1,4 +1,4 @@
-"""autopar/cpu_memory.py: freed step memory stays in the process instead of being faulted in again.
+"""autopar/runtime/cpu_memory.py: freed step memory stays in the process instead of being faulted in again.
 
 Each case runs in a fresh interpreter (the allocator's thresholds are process-wide state) and counts
 the minor page faults of a sixth "step" that allocates and writes 3 x 40 MiB, then frees it all. 40 MiB
@@ -22,7 +22,7 @@ STEP_PAGES = 3 * 40 * 2**20 // 4096  # pages one step writes
 SCRIPT = """
 import resource, sys
 import torch
-from autopar.cpu_memory import keep_freed_memory
+from autopar.runtime.cpu_memory import keep_freed_memory
 
 def step():  # a training step's activations: allocated, written, all freed at the end
     xs = [torch.ones(10 * 2**20) for _ in range(3)]

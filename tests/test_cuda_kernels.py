@@ -13,10 +13,10 @@ import warnings
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autopar.capture import _device_type
+from autopar.capture.precision import MixedPrecision, autocast_forward
+from autopar.capture.trace import _device_type
 from autopar.placement import R, S
-from autopar.precision import MixedPrecision, autocast_forward
-from autopar.strategies import StrategyEnumerator
+from autopar.sharding.strategies import StrategyEnumerator
 
 aten = torch.ops.aten
 B, H, T, D = 2, 4, 64, 16

@@ -1,4 +1,4 @@
-"""Dropout masks saved as 1-byte booleans (`autopar/dropout_masks.py`, a canonicalisation step): the
+"""Dropout masks saved as 1-byte booleans (`autopar/capture/dropout_masks.py`, a canonicalisation step): the
 backward reads the same values bit for bit, the saved bytes drop, recompute keeps the boolean mask,
 the rules never make a bool cast Partial, and a graph without dropout is left as it is."""
 from __future__ import annotations
@@ -10,17 +10,18 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from autopar.canonicalize import canonicalize
-from autopar.capture import capture
-from autopar.costing import nbytes_of, saved_values
-from autopar.dropout_masks import save_bool_masks
-from autopar.memtrack import peak_activation_bytes
-from autopar.placement import P, PAVG
-from autopar.recompute import copied_nodes, layer_nodes
-from autopar.rules import OpCall
-from autopar.strategies import StrategyEnumerator, val_of
-from examples.gpt import GPT, GPTConfig
-import models
+from autopar._testing import models
+from autopar._testing.gpt import GPT, GPTConfig
+from autopar.capture.canonicalize import canonicalize
+from autopar.capture.dropout_masks import save_bool_masks
+from autopar.capture.trace import capture
+from autopar.graph import nbytes_of, val_of
+from autopar.placement import PAVG, P
+from autopar.planning.problem import saved_values
+from autopar.planning.recompute import copied_nodes, layer_nodes
+from autopar.runtime.memtrack import peak_activation_bytes
+from autopar.sharding.rules import OpCall
+from autopar.sharding.strategies import StrategyEnumerator
 
 aten = torch.ops.aten
 KEEP = 0.75  # 1 - p
@@ -140,7 +141,7 @@ def test_bool_casts_take_no_partial():
 # ---------------------------------------------------------------------------- a captured GPT
 @pytest.fixture(scope="module")
 def gpt_dropout():
-    """examples/gpt.py with dropout 0.2 (embedding, attention probabilities, both residual branches),
+    """autopar/_testing/gpt.py with dropout 0.2 (embedding, attention probabilities, both residual branches),
     captured in float32 on CPU tensors, and one step of it run eagerly with seed 0."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.2))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import free_port
+from autopar._testing.dist_utils import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "examples" / "train_gpt.py"
@@ -97,7 +97,6 @@ def test_resume_a_pipelined_checkpoint_without_stages(tmp_path):
 def _check_resume(tmp_path, first: list, first_world: int, then: list, then_world: int) -> None:
     import shutil
 
-    import torch
     ckpt = tmp_path / "ckpt"
     common = ["--steps", "20", "--log-every", "1", "--checkpoint-every", "10", "--checkpoint-dir", str(ckpt)]
     full = logged_losses(run_example([*common, *first, "--out", str(tmp_path / "a.pt")], first_world, tmp_path))
@@ -125,7 +124,6 @@ def _check_resume(tmp_path, first: list, first_world: int, then: list, then_worl
 def test_killed_rank_resumes_from_last_checkpoint(tmp_path):
     """A rank SIGKILLed at step 15 under `torchrun --max-restarts 1`: torchrun restarts the job, it
     resumes from the step-10 checkpoint, and the final parameters equal an uninterrupted run's."""
-    import torch
     common = ["--steps", "20", "--log-every", "1", "--checkpoint-every", "10"]
     run_example([*common, "--checkpoint-dir", str(tmp_path / "a"), "--out", str(tmp_path / "a.pt")], 2, tmp_path)
     out = run_example([*common, "--checkpoint-dir", str(tmp_path / "b"), "--out", str(tmp_path / "b.pt"),

@@ -1,13 +1,13 @@
-"""The spanning-forest lower bound (autopar/forest_bound.py) against brute force on small random
+"""The spanning-forest lower bound (autopar/planning/forest_bound.py) against brute force on small random
 cost graphs: exact on a tree, a lower bound with cycles, weighted terms included."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from autopar.costgraph import CostEdge, CostGraph, CostNode
-from autopar.forest_bound import forest_lower_bound
-from autopar.solver import brute_force
+from autopar.planning.costgraph import CostEdge, CostGraph, CostNode
+from autopar.planning.forest_bound import forest_lower_bound
+from autopar.planning.solver import brute_force
 
 
 def _graph(rng, n: int, pairs) -> CostGraph:

@@ -1,13 +1,13 @@
 """Fuzzing (issue #9): hypothesis draws random small transformer configurations and meshes (a fixed seed
 here; `benchmarks/fuzz.py` runs longer with any seed); each is planned and executed at world 2 and must
 train like one process of the unmodified model, or be refused with autopar's own error where refusing is
-right. See tests/fuzz_cases.py for the space."""
+right. See autopar/_testing/fuzz_cases.py for the space."""
 from __future__ import annotations
 
 from dataclasses import asdict
 
-from dist_utils import run_distributed
-from fuzz_cases import draw_cases, run_cases
+from autopar._testing.dist_utils import run_distributed
+from autopar._testing.fuzz_cases import draw_cases, run_cases
 
 SEED, CASES = 2026, 8
 

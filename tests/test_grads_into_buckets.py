@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.fx as fx
 
+from autopar._testing.dist_cases import lowered_for_rank0_of_2 as _lowered
 from autopar.passes import OPTIONAL, PIPELINE, PassContext, emitted_collectives
 from autopar.passes.grads_into_buckets import grads_into_buckets_pass
 from autopar.passes.ops import _fill, _flatten, bucket_buffer, mm_into, start_all_reduce, wait_buckets
 from autopar.passes.schedule_overlap import local_numel_dtype
 from autopar.placement import replicated
-from dist_cases import lowered_for_rank0_of_2 as _lowered
 
 aten = torch.ops.aten
 
@@ -134,7 +134,7 @@ def test_fill_copies_only_what_is_not_in_its_slot():
 def test_memtrack_books_the_bucket_buffer_as_gradients_not_activations():
     """The buffer is the storage of the gradients the program returns (the plan's "grads"), as the
     flat buffer inside start_all_reduce was; only the activation counts."""
-    from autopar.memtrack import peak_activation_bytes
+    from autopar.runtime.memtrack import peak_activation_bytes
     g = fx.Graph()
     a, b = g.placeholder("a"), g.placeholder("b")
     flat = g.call_function(bucket_buffer, (24, torch.float32, "cpu"))

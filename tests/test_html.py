@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import autopar
+from autopar._testing.gpt import GPT, GPTConfig
 from autopar.plan import Plan, StagePlan
-from examples.gpt import GPT, GPTConfig
 
 CHROMIUM = "/usr/bin/chromium"
 SECTIONS = ("tree", "collectives", "memory", "baselines", "plan-data", "filter", "header")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import warnings
 
 import autopar
-import models
+from autopar._testing import models
 from autopar.placement import S
 
 

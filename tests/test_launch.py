@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import free_port
+from autopar._testing.dist_utils import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 420  # the 2x2 plan alone takes ~1-1.5 min on 2 shared cores (see report)
@@ -23,8 +23,8 @@ WORKER = """
 import json, os, sys
 import torch
 import autopar
-from autopar.runtime import autoparallelize
-from examples.gpt import GPT, GPTConfig
+from autopar import autoparallelize
+from autopar._testing.gpt import GPT, GPTConfig
 sys.path.insert(0, {tests!r})
 from test_launch import make_model_and_batches
 
@@ -49,7 +49,7 @@ with open(os.path.join(out_dir, f"rank{{rank}}.json"), "w") as f:
 
 def make_model_and_batches():
     """The tiny GPT and its batches, identical in the workers and in the reference run."""
-    from examples.gpt import GPT, GPTConfig
+    from autopar._testing.gpt import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32))
     gen = torch.Generator().manual_seed(0)
@@ -60,7 +60,7 @@ def make_model_and_batches():
 
 def reference_losses(model, batches) -> list[float]:
     """The unmodified model in this one process, with the workers' optimizer and batches."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)  # eps: as tests/dist_cases.py
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)  # eps: as autopar/_testing/dist_cases.py
     losses = []
     for step in range(STEPS):
         opt.zero_grad()

@@ -19,7 +19,7 @@ import warnings
 import pytest
 
 import autopar
-import models
+from autopar._testing import models
 from autopar.costmodel.hardware import A100, LinkSpec
 from autopar.placement import R, S
 
@@ -65,12 +65,12 @@ def test_fast_axis_is_megatron_tensor_parallel(plan_2d):
 @pytest.mark.parametrize("make", [lambda: models.meta_megatron_lm(vocab=64, hidden=64, num_heads=4, batch=4, seq=8),
                                   lambda: models.tiny_gpt(n_layer=1, batch=4, seq=8)], ids=["megatron", "gpt"])
 def test_strategy_pruning_keeps_the_optimum(make):
-    """`prune_partials` (costing) and dominance pruning (solver) are exact: the same optimum as the
+    """`prune_partials` (sharding.strategies) and dominance pruning (solver) are exact: the same optimum as the
     full strategy space. A 1-D mesh keeps the unpruned solve fast (a (2, 2) mesh agrees, in ~1 min)."""
-    from autopar.canonicalize import canonicalize
-    from autopar.capture import capture
-    from autopar.costing import ProblemBuilder
-    from autopar.solver import solve
+    from autopar.capture.canonicalize import canonicalize
+    from autopar.capture.trace import capture
+    from autopar.planning.problem import ProblemBuilder
+    from autopar.planning.solver import solve
 
     case = make()
     with warnings.catch_warnings():

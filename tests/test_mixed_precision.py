@@ -23,12 +23,12 @@ import pytest
 import torch
 
 import autopar
-import models
+from autopar._testing import models
+from autopar._testing.dist_cases import EPS, train_steps
+from autopar._testing.dist_utils import run_distributed
+from autopar.capture.precision import MixedPrecision, as_policy
 from autopar.errors import InputError
 from autopar.passes.ops import wait_buckets
-from autopar.precision import MixedPrecision, resolve
-from dist_cases import EPS, train_steps
-from dist_utils import run_distributed
 
 STEPS = 20
 LR = 3e-3  # the loss must move: 20 steps at lr 1e-3 barely leave ln(vocab); 1e-2 spikes Llama
@@ -99,8 +99,8 @@ def _cast_dtype(x) -> str:
 
 
 def train_bf16(rank, world, model, batches, steps, kws):
+    from autopar import autoparallelize
     from autopar.passes import emitted_collectives
-    from autopar.runtime import autoparallelize
     out = []
     for kw in kws:
         args, kwargs = batches[0]
@@ -118,13 +118,13 @@ def train_bf16(rank, world, model, batches, steps, kws):
 # ---------------------------------------------------------------- the policy
 
 def test_policy_values():
-    assert resolve(None) is None
-    assert resolve("bf16") == MixedPrecision(torch.bfloat16, torch.float32)
-    assert resolve(torch.bfloat16) == resolve("bfloat16") == MixedPrecision()
-    assert resolve(BF16_REDUCE) is BF16_REDUCE
+    assert as_policy(None) is None
+    assert as_policy("bf16") == MixedPrecision(torch.bfloat16, torch.float32)
+    assert as_policy(torch.bfloat16) == as_policy("bfloat16") == MixedPrecision()
+    assert as_policy(BF16_REDUCE) is BF16_REDUCE
     for bad in ("fp8", torch.int32, torch.float16, 16):
         with pytest.raises(InputError, match="accepted: \"bf16\""):
-            resolve(bad)
+            as_policy(bad)
     with pytest.raises(InputError, match="accepted: torch.bfloat16"):
         MixedPrecision(param_dtype=torch.int8)
     with pytest.raises(InputError, match="accepted: torch.float32, torch.bfloat16"):
@@ -147,13 +147,13 @@ def _gpt5(batch: int, seq: int):
 
 @pytest.mark.parametrize("factory", [models.tiny_gpt, models.tiny_llama, _gpt5])
 def test_captured_step_equals_eager_autocast(factory):
-    from autopar.capture import capture
+    from autopar.capture.trace import capture
     case = factory(batch=2, seq=8)
     model = copy.deepcopy(case.model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = _loss(model(*case.args, **case.kwargs))
     ref.backward()
-    captured = capture(case.model, case.args, example_kwargs=case.kwargs, mixed_precision=resolve("bf16"))
+    captured = capture(case.model, case.args, example_kwargs=case.kwargs, mixed_precision=as_policy("bf16"))
     tensors = {**dict(case.model.named_parameters()), **dict(case.model.named_buffers())}
     flat = [tensors[n].detach() for n in captured.param_names + captured.buffer_names]
     flat += list(case.args) + list(case.kwargs.values())
@@ -221,7 +221,7 @@ def test_plan_records_policy_and_json_round_trips(gpt_plans):
 
 def test_reused_plan_brings_its_policy(gpt_plans):
     """autoparallelize(plan=...) captures with the plan's policy; a contradicting value is refused."""
-    from autopar.precision import resolve_with_plan
+    from autopar.capture.precision import resolve_with_plan
     assert resolve_with_plan(None, gpt_plans[BF16_REDUCE]) == BF16_REDUCE
     assert resolve_with_plan(None, gpt_plans[None]) is None
     assert resolve_with_plan("bf16", gpt_plans["bf16"]) == MixedPrecision()

@@ -1,4 +1,4 @@
-"""Mixture-of-experts (autopar/rules/moe.py): Mixtral's grouped matmul captured, its strategies
+"""Mixture-of-experts (autopar/sharding/rules/moe.py): Mixtral's grouped matmul captured, its strategies
 numerically valid on 2 virtual ranks (including expert parallelism's dispatch, simulated in one
 process), and expert parallelism chosen, priced and emitted as all_to_all on Mixtral-8x7B shapes.
 World-2 training equal to one process is in tests/test_zoo.py (auto, zero3, tp and the forced plans).
@@ -11,21 +11,22 @@ from collections import Counter
 
 import pytest
 import torch
-
-import autopar
-import models
-from simulate import join, run_local, split
 from test_rules import N, _close, _Recorder, fitting_strategies
 
-import autopar.canonicalize
-import autopar.capture
-from autopar.passes import PassContext, emitted_collectives, run_passes
+import autopar
+import autopar.capture.canonicalize
+import autopar.capture.trace
+from autopar._testing import models
+from autopar._testing.simulate import join, run_local, split
+from autopar.capture import moe_ops, moe_rewrite
+from autopar.graph import val_of
+from autopar.passes import PassContext, emitted_collectives, moe_dispatch, run_passes
 from autopar.placement import P, S
-from autopar.planner import plan_captured
-from autopar.rules import OpCall, moe
-from autopar.strategies import StrategyEnumerator, val_of
+from autopar.planning.spmd import plan_captured
+from autopar.sharding.rules import OpCall, moe
+from autopar.sharding.strategies import StrategyEnumerator
 
-GROUPED = (moe.GROUPED_MM, moe.GROUPED_MM_WGRAD)
+GROUPED = (moe_ops.GROUPED_MM, moe_ops.GROUPED_MM_WGRAD)
 
 
 def _reference_grouped_mm(x, w, offs):
@@ -46,9 +47,9 @@ def test_grouped_mm_and_its_gradients(offs):
     g = torch.randn(10, 8, generator=gen)
     want = _reference_grouped_mm(x, w, offs)
     gx, gw = torch.autograd.grad((want * g).sum(), (x, w))
-    torch.testing.assert_close(moe.GROUPED_MM(x, w, offs), want)
-    torch.testing.assert_close(moe.GROUPED_MM(g, w.transpose(-2, -1), offs), gx)
-    torch.testing.assert_close(moe.GROUPED_MM_WGRAD(x, g, offs), gw)
+    torch.testing.assert_close(moe_ops.GROUPED_MM(x, w, offs), want)
+    torch.testing.assert_close(moe_ops.GROUPED_MM(g, w.transpose(-2, -1), offs), gx)
+    torch.testing.assert_close(moe_ops.GROUPED_MM_WGRAD(x, g, offs), gw)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def mixtral():
     case = models.tiny_mixtral()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        captured = autopar.capture.capture(case.model, case.args, example_kwargs=case.kwargs)
+        captured = autopar.capture.trace.capture(case.model, case.args, example_kwargs=case.kwargs)
     named = {**dict(case.model.named_parameters()), **dict(case.model.named_buffers())}
     inputs = iter([*case.args, case.kwargs["labels"]])
     flat = [next(inputs) if n.meta["autopar_role"] == "input" else named[n.meta["autopar_name"]].detach()
@@ -72,9 +73,9 @@ def test_capture_fuses_every_expert_matmul_and_keeps_the_numerics(mixtral):
     case, captured, flat = mixtral
     gm = captured.gm
     counts = Counter((n.target, n.meta["phase"]) for n in gm.graph.nodes if n.target in GROUPED)
-    assert counts == {(moe.GROUPED_MM, "forward"): 4, (moe.GROUPED_MM, "backward"): 4,
-                      (moe.GROUPED_MM_WGRAD, "backward"): 4}
-    assert not [n for n in gm.graph.nodes if n.target is moe.standin]
+    assert counts == {(moe_ops.GROUPED_MM, "forward"): 4, (moe_ops.GROUPED_MM, "backward"): 4,
+                      (moe_ops.GROUPED_MM_WGRAD, "backward"): 4}
+    assert not [n for n in gm.graph.nodes if n.target is moe_rewrite.standin]
     named = dict(case.model.named_parameters())
     loss, *grads = gm(*flat)
     case.model.zero_grad()
@@ -98,9 +99,9 @@ def _simulate(node, strat, values, n: int, gen):
     ep = moe.ep_axes(node.target, ((strat.ins[0],), (strat.ins[1],)), ((strat.outs[0],),))
     if not ep:
         lo_hi = [r[0] for r in ranges]
-        outs = [node.target(xs[r], ys[r], moe.local_offsets(offs, *lo_hi[r], 0, experts)) for r in range(n)]
+        outs = [node.target(xs[r], ys[r], moe_dispatch.local_offsets(offs, *lo_hi[r], 0, experts)) for r in range(n)]
         return join(outs, strat.outs[0])
-    plans = [moe.ep_dispatch(offs, ranges, r) for r in range(n)]
+    plans = [moe_dispatch.ep_dispatch(offs, ranges, r) for r in range(n)]
 
     def all_to_all(chunks, sizes_in, sizes_out):
         pieces = [list(torch.split(c, s)) for c, s in zip(chunks, sizes_in)]
@@ -110,7 +111,7 @@ def _simulate(node, strat, values, n: int, gen):
 
     send, recv = [p[0] for p in plans], [p[1] for p in plans]
     xr = all_to_all(xs, send, recv)
-    if node.target is moe.GROUPED_MM:
+    if node.target is moe_ops.GROUPED_MM:
         yr = [node.target(xr[r], ys[r], plans[r][2]) for r in range(n)]
         return join(all_to_all(yr, recv, send), strat.outs[0])
     gr = all_to_all(ys, send, recv)
@@ -137,7 +138,7 @@ def test_every_grouped_strategy_matches_the_real_value(mixtral):
             kinds.add((node.target, strat.ins[:2], strat.outs))
             if not _close(_simulate(node, strat, values, N, gen), values[node]):
                 failures.append(f"{node.name} outs={strat.outs} ins={strat.ins}")
-    assert (moe.GROUPED_MM, (S(0), S(0)), (S(0),)) in kinds and (moe.GROUPED_MM_WGRAD, (S(0), S(0)), (P,)) in kinds
+    assert (moe_ops.GROUPED_MM, (S(0), S(0)), (S(0),)) in kinds and (moe_ops.GROUPED_MM_WGRAD, (S(0), S(0)), (P,)) in kinds
     assert checked >= 12 * 5
     assert not failures, "\n".join(failures)
 
@@ -149,13 +150,13 @@ def test_dispatch_within_a_group_whose_rows_are_not_contiguous():
     x, w = torch.randn(16, 4, generator=gen), torch.randn(4, 4, 8, generator=gen)
     offs = torch.tensor([3, 9, 10, 16], dtype=torch.int32)
     members = [((0, 4), (0, 2)), ((8, 12), (2, 4))]
-    plans = [moe.ep_dispatch(offs, members, q) for q in range(2)]
+    plans = [moe_dispatch.ep_dispatch(offs, members, q) for q in range(2)]
     assert [p[0] for p in plans] == [[4, 0], [1, 3]] and [p[1] for p in plans] == [[4, 1], [0, 3]]
     chunks = [list(torch.split(x[lo:hi], plans[q][0])) for q, ((lo, hi), _) in enumerate(members)]
-    got = [moe.GROUPED_MM(torch.cat([chunks[p][q] for p in range(2)]), w[e0:e1], plans[q][2])
+    got = [moe_ops.GROUPED_MM(torch.cat([chunks[p][q] for p in range(2)]), w[e0:e1], plans[q][2])
            for q, (_, (e0, e1)) in enumerate(members)]
     back = [list(torch.split(got[q], plans[q][1])) for q in range(2)]
-    want = moe.GROUPED_MM(x, w, offs)
+    want = moe_ops.GROUPED_MM(x, w, offs)
     for q, ((lo, hi), _) in enumerate(members):
         torch.testing.assert_close(torch.cat([back[p][q] for p in range(2)]), want[lo:hi])
 
@@ -172,8 +173,8 @@ def mixtral_8x7b_plans():
     mesh = autopar.Mesh((8,), hardware="h100")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        captured = autopar.capture.capture(case.model, case.args, example_kwargs=case.kwargs)
-        autopar.canonicalize.canonicalize(captured.gm)
+        captured = autopar.capture.trace.capture(case.model, case.args, example_kwargs=case.kwargs)
+        autopar.capture.canonicalize.canonicalize(captured.gm)
         plans = {}
         for mode in ("auto", "replicate", "tp", "ep"):
             with moe.force_experts(mode):
@@ -208,7 +209,7 @@ def test_the_forced_ep_plan_emits_its_all_to_alls(mixtral):
     case, captured, _ = mixtral
     captured = copy.copy(captured)
     captured.gm = copy.deepcopy(captured.gm)
-    autopar.canonicalize.canonicalize(captured.gm)
+    autopar.capture.canonicalize.canonicalize(captured.gm)
     with moe.force_experts("ep"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = plan_captured(captured, case.model, case.example_inputs, mesh=autopar.Mesh((2,)), baselines=False)
@@ -218,5 +219,5 @@ def test_the_forced_ep_plan_emits_its_all_to_alls(mixtral):
     emitted = Counter((c["kind"], c["phase"]) for c in emitted_collectives(gm))
     assert emitted == Counter((r.kind, r.phase) for r in plan.collectives)
     assert emitted[("all_to_all", "forward")] == 8 and emitted[("all_to_all", "backward")] == 16
-    dispatched = [n for n in gm.graph.nodes if n.target is moe.ep_dispatch]
+    dispatched = [n for n in gm.graph.nodes if n.target is moe_dispatch.ep_dispatch]
     assert len(dispatched) == 12 and all(n.args[2] == 0 for n in dispatched)

@@ -11,14 +11,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-from autopar.canonicalize import canonicalize
-from autopar.capture import capture
+from autopar._testing.dist_utils import run_distributed
+from autopar.capture.canonicalize import canonicalize
+from autopar.capture.trace import capture
 from autopar.ir import verify
 from autopar.passes import PIPELINE, PassContext, emitted_collectives, run_passes
 from autopar.passes.lower_collectives import lower_collectives_pass
 from autopar.passes.ops import redistribute
-from autopar.placement import SS, P, PAVG, R, S, local_shape, spec_str
-from dist_utils import run_distributed
+from autopar.placement import PAVG, SS, P, R, S, local_shape, spec_str
 
 aten = torch.ops.aten
 
@@ -140,8 +140,9 @@ def test_env_switches_off_optional_passes_only(monkeypatch):
 def test_fuse_addmm_joins_only_an_mm_whose_sole_user_is_a_1d_bias_add():
     """add(mm, b) and add(b, mm) become addmm with the same values; an mm used twice, a bias add with
     alpha or of another dtype, and a 2-D addend stay apart."""
-    from autopar.passes.fuse_addmm import fuse_addmm_pass
     from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autopar.passes.fuse_addmm import fuse_addmm_pass
 
     def f(x, w, b, b16, g):
         y1 = aten.add.Tensor(aten.mm.default(x, aten.t.default(w)), b)         # fused
@@ -170,8 +171,9 @@ def test_fuse_addmm_joins_only_an_mm_whose_sole_user_is_a_1d_bias_add():
 def test_tidy_cancels_permute_pairs_merges_views_and_duplicates_with_the_same_values():
     """Each rewrite on a hand-built graph: values unchanged, fewer nodes; random ops, other phases and
     values a later in-place write may change are never merged; a tidy graph is left unchanged."""
-    from autopar.passes.tidy import tidy_pass
     from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autopar.passes.tidy import tidy_pass
 
     def f(x, w, labels):
         wt = aten.permute.default(w, [1, 0])
@@ -236,8 +238,8 @@ def _redistribute_graph(src, dst, shape) -> fx.GraphModule:
 
 def _shard_of(full: torch.Tensor, spec, coords, sizes, rank) -> torch.Tensor:
     """This rank's local value of `full` under `spec` (Partial: rank-dependent summands)."""
-    from autopar.runtime import _local_slice
-    x = _local_slice(full, spec, coords, sizes)
+    from autopar.runtime.tensors import local_slice
+    x = local_slice(full, spec, coords, sizes)
     for axis, p in enumerate(spec):
         if p == P:
             x = x * (0.25 + coords[axis]) / (0.25 * sizes[axis] + sum(range(sizes[axis])))
@@ -339,6 +341,7 @@ def test_zero3_gathers_stay_next_to_their_use_and_verify_catches_hoisting(gpt_ca
     """Fusing gradient collectives re-sorts the graph; that sort must not hoist every ZeRO-3 gather to
     the top (all weights gathered at once, many async collectives in flight)."""
     from torch.fx.passes.tools_common import legalize_graph
+
     from autopar.ir import IRError, verify
     model, inputs = gpt_case
     plan = autopar.plan(model, inputs, mesh=autopar.Mesh((2,)), strategy="zero3", baselines=False)
@@ -359,7 +362,7 @@ def test_zero3_gathers_stay_next_to_their_use_and_verify_catches_hoisting(gpt_ca
 
 def test_zero1_parameter_gathers_are_bucketed_like_the_cost_model_prices_them(gpt_case):
     """ZeRO-1/2 masters are gathered once per step: one fused all-gather (flat buckets) that still
-    lists every logical gather, as autopar.costing prices them (bucketed latency)."""
+    lists every logical gather, as autopar.planning.problem prices them (bucketed latency)."""
     from autopar.passes.ops import fused_all_gather
     model, inputs = gpt_case
     plan = autopar.plan(model, inputs, mesh=autopar.Mesh((2,)), strategy="zero1", baselines=False)
@@ -379,6 +382,7 @@ def test_fused_all_gather_matches_one_gather_per_tensor():
 
 def _fused_gather_worker(rank, world):
     import torch.distributed as dist
+
     from autopar.passes.ops import fused_all_gather
     group = dist.group.WORLD.group_name
     tensors = [torch.arange(6.0).reshape(3, 2) + 10 * rank, torch.full((2,), float(rank)),

@@ -1,4 +1,4 @@
-"""Pipelined plans (autopar/pipeline_plan.py, passes/split_stages.py, autopar/pipeline_runtime.py):
+"""Pipelined plans (autopar/pipeline/planning.py, passes/split_stages.py, autopar/pipeline/runtime.py):
 the stage split alone on one process, and pipelined training under gloo equal to one process."""
 from __future__ import annotations
 
@@ -10,18 +10,18 @@ import pytest
 import torch
 
 import autopar
+from autopar._testing import models
+from autopar._testing.dist_cases import train_reference, train_steps
+from autopar._testing.dist_utils import run_distributed
 from autopar.costmodel.hardware import get_hardware
-import models
-from dist_cases import train_reference, train_steps
-from dist_utils import run_distributed
 
 STEPS = 3
 
 
 def train_pipelined(rank, world, model, batches, steps, kws):
     """autoparallelize (pipelined) + AdamW for `steps` steps, once per option set in `kws`."""
+    from autopar import autoparallelize
     from autopar.passes import emitted_collectives
-    from autopar.runtime import autoparallelize
     out = []
     for kw in kws:
         args, kwargs = batches[0]
@@ -69,8 +69,8 @@ def _run_programs(programs, case, captured):
 def test_split_stages_computes_the_joint_graph(name, cut):
     """Forward programs in stage order, then backward programs in reverse, give the joint graph's loss and
     gradients; the tied wte/lm_head weight lives on both stages of the GPT."""
-    from autopar.canonicalize import canonicalize
-    from autopar.capture import capture
+    from autopar.capture.canonicalize import canonicalize
+    from autopar.capture.trace import capture
     from autopar.passes.split_stages import graph_units, split_stages
     case = models.tiny_gpt(batch=2, seq=8) if name == "gpt" else models.tiny_llama(batch=2, seq=8)
     captured = capture(case.model, case.args, example_kwargs=case.kwargs)
@@ -97,18 +97,19 @@ def test_layer_costs_count_gradient_all_reduces_once_and_reduce_scatters_per_mic
     """The pipelined runtime all-reduces a gradient once per step (passes/defer_grad_reductions.py) but
     reduce-scatters a ZeRO gradient in every micro-batch's backward: layer_costs files the first under
     per_step, the second under backward (the gradient edges' seconds, all of them, in one or the other)."""
-    from autopar import planner
-    from autopar.canonicalize import canonicalize
-    from autopar.capture import capture
-    from autopar.costing import ProblemBuilder
-    from autopar.layer_profile import layer_costs
+    from autopar.capture.canonicalize import canonicalize
+    from autopar.capture.trace import capture
+    from autopar.pipeline.layer_profile import layer_costs
+    from autopar.planning import spmd as planner
+    from autopar.planning.problem import ProblemBuilder
+    from autopar.sharding import recipes
     case = models.tiny_gpt(batch=2, seq=8)
     cap = capture(case.model, case.args)
     canonicalize(cap.gm)
     sub = autopar.Mesh((2,), axis_names=("dp",))
     prob = ProblemBuilder(cap, sub).build()
     for strategy in ("dp", "zero2"):
-        sol, _ = planner._solve_requested(prob, cap, sub, planner.recipes.normalize(strategy, sub), {}, 10)
+        sol, _ = planner.solve_requested(prob, cap, sub, recipes.normalize(strategy, sub), {}, 10)
         k = sol.choice
         params = sum(float(prob.compute[i][k[i]] + prob.local_comm[i][k[i]]) for i, n in enumerate(prob.nodes)
                      if n.op == "placeholder")   # optimizer update (+ ZeRO gathers): once per step
@@ -146,7 +147,7 @@ def test_pipelined_plan_widens_the_mesh_and_round_trips():
 def test_interleaved_plan_places_chunks_round_robin():
     """schedule="interleaved_1f1b": p*v = 4 chunks of the 4-layer GPT, chunk k on device k % 2, each unit
     once and in order; a device's memory is the sum of its chunks'; the summary lists chunks per device."""
-    from autopar.pipeline_plan import chunks_per_device
+    from autopar.pipeline.planning import chunks_per_device
     case = models.tiny_gpt(n_layer=4, batch=4, seq=16)
     plan = autopar.plan(case.model, case.args, mesh=autopar.Mesh((2,)), num_stages=2, schedule="interleaved_1f1b",
                         baselines=False)
@@ -162,7 +163,7 @@ def test_interleaved_plan_places_chunks_round_robin():
     assert "2 stages x 2 chunks per device, 2 micro-batches, schedule interleaved_1f1b" in text
     assert "chunk 0 <pre>" in text and "chunk 3 transformer.h.3, <post>" in text
     # the search's interleaved candidate becomes the same runnable plan (num_stages="auto"'s path)
-    from autopar.pipeline_search import search, to_plan
+    from autopar.pipeline.search import search, to_plan
     res = search(case.model, case.args, mesh=autopar.Mesh((2,)), num_stages=2, num_microbatches=2,
                  schedules=("interleaved_1f1b",))
     searched = to_plan(res, case.model)
@@ -247,7 +248,7 @@ def test_pp2_matches_single_process(name):
 
 def accumulate_pipelined(rank, world, model, batches):
     """Two train_step calls with no zero_grad between them: the losses and the gradients left."""
-    from autopar.runtime import autoparallelize
+    from autopar import autoparallelize
     args, kwargs = batches[0]
     pmodel = autoparallelize(copy.deepcopy(model), tuple(args) + ((kwargs,) if kwargs else ()), num_stages=2,
                              schedule="1f1b", num_microbatches=2, baselines=False)

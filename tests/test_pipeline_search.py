@@ -1,5 +1,5 @@
-"""Pipeline x data x tensor parallel search (autopar/pipeline_search.py) and the per-unit cost
-profile it partitions (autopar/layer_profile.py). Planning only: one process, meta-device models."""
+"""Pipeline x data x tensor parallel search (autopar/pipeline/search.py) and the per-unit cost
+profile it partitions (autopar/pipeline/layer_profile.py). Planning only: one process, meta-device models."""
 from __future__ import annotations
 
 import warnings
@@ -9,17 +9,17 @@ import pytest
 import torch
 
 import autopar
-import models
-from autopar import assemble
-from autopar.canonicalize import canonicalize
-from autopar.capture import capture
-from autopar.costing import ProblemBuilder
+from autopar._testing import models
+from autopar.capture.canonicalize import canonicalize
+from autopar.capture.trace import capture
 from autopar.costmodel.hardware import LinkSpec, get_hardware
 from autopar.errors import InfeasiblePlanError
-from autopar.layer_profile import POST, PRE, layer_costs
-from autopar.pipeline_search import microbatch_counts, search, split_inputs, state_floor, to_plan
-from autopar.solver import solve
-from autopar.stages import partition
+from autopar.pipeline.layer_profile import POST, PRE, layer_costs
+from autopar.pipeline.search import microbatch_counts, search, split_inputs, state_floor, to_plan
+from autopar.pipeline.stages import partition
+from autopar.planning import assemble
+from autopar.planning.problem import ProblemBuilder
+from autopar.planning.solver import solve
 
 
 def _profile(case, mesh):
@@ -31,7 +31,7 @@ def _profile(case, mesh):
 
 
 @pytest.mark.parametrize("make,stack,hidden", [
-    (lambda: models.tiny_gpt(n_layer=3), "transformer.h", 32),   # examples/gpt.py
+    (lambda: models.tiny_gpt(n_layer=3), "transformer.h", 32),   # autopar/_testing/gpt.py
     (lambda: models.tiny_llama(), "model.layers", 64),
 ])
 def test_layer_costs_units_in_order_and_sum_to_the_spmd_totals(make, stack, hidden):
@@ -99,7 +99,7 @@ def test_pipeline_stages_forced_when_requested():
     split = res.best.split
     assert len(split.bounds) == 4 and split.bubble_fraction > 0
     assert res.best.memory_per_device == max(split.stage_memory)
-    plan = to_plan(res, case.model)   # the pipelined Plan (autopar/pipeline_plan.py) agrees with the search
+    plan = to_plan(res, case.model)   # the pipelined Plan (autopar/pipeline/planning.py) agrees with the search
     assert plan.mesh.axis_names[0] == "pp" and len(plan.stages) == 4 and plan.num_microbatches == 8
     assert [s.modules[0] for s in plan.stages] == [m[0] for m in res.best.stage_modules]
     assert plan.predicted_step_time == pytest.approx(res.best.step_time, rel=1e-6)
@@ -155,8 +155,8 @@ def test_pruned_search_finds_the_exhaustive_best_and_runners_up():
     """Branch and bound (`prune=True`, the default) skips candidates whose lower bound exceeds the
     k-th fastest found: the best k are those of pricing every candidate, every bound is below the
     time it bounds, and some candidates are skipped (else the bound would be doing nothing)."""
-    from autopar.pipeline_search import INTERLEAVE, Profiler
-    from autopar.stages import step_lower_bound
+    from autopar.pipeline.search import Profiler
+    from autopar.pipeline.stages import INTERLEAVE, step_lower_bound
     case = models.meta_gpt(n_layer=6, n_embd=128, n_head=4, batch=16, seq=128)
     mesh = autopar.Mesh((8,), hardware=_slow_inter_node(4), devices_per_node=4)
     prof = Profiler(case.model, case.example_inputs, mesh.hardware, 4)
@@ -184,7 +184,7 @@ def test_profiler_graphs_and_problems_equal_a_plain_capture_and_build():
     those of a fresh ProblemBuilder, bit for bit."""
     import numpy as np
 
-    from autopar.pipeline_search import Profiler
+    from autopar.pipeline.search import Profiler
     case = models.meta_gpt(n_layer=6, n_embd=128, n_head=4, batch=8, seq=64)
     mesh = autopar.Mesh((8,), hardware="h100", devices_per_node=4)
     prof = Profiler(case.model, case.example_inputs, mesh.hardware, 4)
@@ -223,7 +223,7 @@ class _TradeOffProfiler:
 
     def layers(self, m, dp, tp, row, strategy=None, act_weight=1.0):
         from autopar.errors import InfeasiblePlanError
-        from autopar.stages import LayerCost
+        from autopar.pipeline.stages import LayerCost
         self.rows.append((row, act_weight))
         weighted = {k: self.units * 1e9 * (s + act_weight * a) for k, (s, a, _) in self.plans.items()}
         fits = [k for k in self.plans if row is None or weighted[k] <= row]
@@ -237,7 +237,7 @@ def test_price_weighs_activations_by_micro_batches_in_flight():
     """pp 2, 1F1B, m 4 (the first stage keeps 2 micro-batches, the second 1: w = 1.5), 20 GB per
     device, 8 units. "fast" meets the unweighted 40 GB row (8 x 5) but needs 27 GB on a stage; the
     weighted row picks "mid" (8 x 4.75 = 38 GB), which splits (18 GB), before any unweighted row."""
-    from autopar.pipeline_candidates import price
+    from autopar.pipeline.candidates import price
     prof = _TradeOffProfiler({"fast": (1.0, 4.0, 1.0), "mid": (1.0, 2.5, 1.2), "lean": (1.0, 1.0, 1.5)}, 8)
     [c] = price(prof, 2, 1, 1, 4, ("1f1b",), 20e9)
     assert c.feasible and c.inner_weight == 1.5 and max(c.split.stage_memory) <= 20e9, c
@@ -250,7 +250,7 @@ def test_price_retries_a_weighted_row_above_its_floor():
     which needs 10.4 GB on a stage; no plan meets the weighted row (least: "lean", 12 x 1.5 = 18 GB),
     but the split that gives the first stage (2 micro-batches in flight) 4 units and the second 8
     holds 8 GB on each, so the row is retried at FLOOR_SLACK x 18 GB, and that plan splits."""
-    from autopar.pipeline_candidates import FLOOR_SLACK, price
+    from autopar.pipeline.candidates import FLOOR_SLACK, price
     prof = _TradeOffProfiler({"fast": (0.0, 3.0, 1.0), "wide": (0.0, 1.3, 1.3), "lean": (0.0, 1.0, 1.5)}, 12)
     [c] = price(prof, 2, 1, 1, 4, ("1f1b",), 8e9)
     assert c.feasible and c.inner_weight == 1.5 and c.inner_budget == pytest.approx(18e9 * FLOOR_SLACK), c
@@ -264,7 +264,7 @@ def test_price_stops_where_no_split_can_fit(schedule, budget, weighted):
     not retried at its floor. 1F1B at 5 GB: no plan meets even the unweighted 10 GB row (least: 12 x
     1 GB), and every stage keeps at least one micro-batch, so no weighted row is tried. Both
     candidates are infeasible."""
-    from autopar.pipeline_candidates import price
+    from autopar.pipeline.candidates import price
     prof = _TradeOffProfiler({"fast": (0.0, 3.0, 1.0), "wide": (0.0, 1.3, 1.3), "lean": (0.0, 1.0, 1.5)}, 12)
     [c] = price(prof, 2, 1, 1, 4, (schedule,), budget)
     assert not c.feasible

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 import autopar
+from autopar._testing.gpt import GPT, GPTConfig
 from autopar.errors import PlanMismatchError
-from examples.gpt import GPT, GPTConfig
 
 
 @pytest.fixture()
@@ -30,7 +30,7 @@ def test_saved_plan_is_reused_without_solving(tmp_path, monkeypatch, world_of_on
 
     def no_solving(*a, **k):
         raise AssertionError("a given plan must not be re-solved")
-    monkeypatch.setattr("autopar.runtime.plan_captured", no_solving)
+    monkeypatch.setattr("autopar.runtime.module.plan_captured", no_solving)
     pmodel = autopar.autoparallelize(model, (ids, ids), mesh=mesh, plan=loaded)
     assert pmodel.plan == loaded
     torch.testing.assert_close(pmodel.train_step(ids, ids), model(ids, ids).detach())

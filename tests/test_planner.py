@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import autopar
-import models
+from autopar._testing import models
 from autopar.errors import InfeasiblePlanError
 
 
@@ -73,9 +73,9 @@ def test_impossible_budget_names_the_smallest_memory():
 
 @pytest.fixture(scope="module")
 def tiny_problem():
-    from autopar.canonicalize import canonicalize
-    from autopar.capture import capture
-    from autopar.costing import ProblemBuilder
+    from autopar.capture.canonicalize import canonicalize
+    from autopar.capture.trace import capture
+    from autopar.planning.problem import ProblemBuilder
     case = models.tiny_gpt(n_layer=3, batch=4, seq=8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -91,7 +91,7 @@ def test_memoized_costs_equal_costs_priced_alone(tiny_problem):
     every node's and edge's costs must equal pricing that node or edge on its own."""
     import numpy as np
 
-    from autopar.costing import ProblemBuilder, _node_compute, saved_values
+    from autopar.planning.problem import ProblemBuilder, _node_compute, saved_values
     captured, mesh, builder, prob = tiny_problem
     assert prob.cg.layer_groups and len(builder._memo) < len(prob.nodes) + len(prob.edges)  # it did share
     fresh = ProblemBuilder(captured, mesh)
@@ -112,8 +112,8 @@ def test_memoized_costs_equal_costs_priced_alone(tiny_problem):
 def test_shared_pruning_and_propagation_equal_per_node_results(tiny_problem):
     """prune_partials and recipes.batch_propagation memoize on list identity / op signature: giving
     every node its own list (no sharing possible) must give the same strategies and placements."""
-    from autopar import recipes
-    from autopar.strategies import prune_partials
+    from autopar.sharding import recipes
+    from autopar.sharding.strategies import prune_partials
     captured, mesh, builder, prob = tiny_problem
     full = [builder._strategies(n) for n in prob.nodes]
     shared = prune_partials(prob.nodes, full)
@@ -134,7 +134,7 @@ def test_batch_recipes_count_the_targets_whole_and_keep_the_images_split(strateg
     """Under a batch recipe every rank counts the non-ignored labels of the whole batch itself (no
     all-reduce of the count in mid-step: nothing moves in the forward), while the images, which no
     such count reads, stay split: no rank holds more than its share of them."""
-    from autopar.capture import capture
+    from autopar.capture.trace import capture
     case = models.ZOO_CASES["vit"]()
     kw = {"loss_fn": case.loss_fn} if case.loss_fn else {}
     pixels, labels = (n.name for n in capture(case.model, case.example_inputs, **kw).placeholders("input"))
@@ -148,7 +148,8 @@ def test_same_inputs_give_the_same_plan_byte_for_byte():
     """Two plannings of the same model (fresh captures, stamped layers, a 2-D mesh with a memory
     budget) give the same JSON once the wall-clock fields are removed."""
     import json
-    from examples.gpt import GPT, GPTConfig
+
+    from autopar._testing.gpt import GPT, GPTConfig
 
     def planned() -> dict:
         torch.manual_seed(0)

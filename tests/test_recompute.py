@@ -10,19 +10,20 @@ import torch
 import torch.fx as fx
 
 import autopar
-from autopar.canonicalize import canonicalize
-from autopar.capture import capture
-from autopar.costing import saved_values
+from autopar._testing import models
+from autopar._testing.dist_cases import train_parallel, train_reference
+from autopar._testing.dist_utils import run_distributed
+from autopar._testing.gpt import GPT, GPTConfig
+from autopar.capture.canonicalize import canonicalize
+from autopar.capture.trace import capture
 from autopar.errors import InfeasiblePlanError, InputError
-from autopar.plan import Plan
-from autopar.planner import plan_captured
-from autopar.recompute import copied_nodes, layer_nodes, normalize
+from autopar.graph import is_random
 from autopar.passes import PassContext
 from autopar.passes.recompute import recompute_pass
-from dist_cases import train_parallel, train_reference
-from dist_utils import run_distributed
-from examples.gpt import GPT, GPTConfig
-import models
+from autopar.plan import Plan
+from autopar.planning.problem import saved_values
+from autopar.planning.recompute import copied_nodes, layer_nodes, normalize
+from autopar.planning.spmd import plan_captured
 
 aten = torch.ops.aten
 N_LAYER = 4
@@ -107,7 +108,7 @@ def test_normalize_checks_layer_paths():
 # ---------------------------------------------------------------------------- planning the GPT
 @pytest.fixture(scope="module")
 def gpt():
-    """examples/gpt.py with layers wide enough (64) next to its vocabulary (64) that the activations
+    """autopar/_testing/gpt.py with layers wide enough (64) next to its vocabulary (64) that the activations
     kept for backward, not the logits' transients, set the peak (as in any real model)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=N_LAYER, n_head=2, n_embd=64))
@@ -164,8 +165,8 @@ def test_budget_below_everything_recomputed_raises_with_the_minimum(gpt, capture
 
 
 def _measure(rank, world, model, args, plan_jsons):
-    from autopar.memtrack import measure_step
-    from autopar.runtime import autoparallelize
+    from autopar import autoparallelize
+    from autopar.runtime.memtrack import measure_step
     out = []
     for pj in plan_jsons:
         pmodel = autoparallelize(model, args, plan=Plan.from_json(pj), verify=True)
@@ -216,8 +217,8 @@ def test_recomputed_plans_train_like_one_process(gpt, captured):
 
 def _step_with_seed(rank, world, model, args, plan_jsons):
     import copy
-    from autopar.recompute import is_random
-    from autopar.runtime import autoparallelize
+
+    from autopar import autoparallelize
     out = []
     for pj in plan_jsons:
         pmodel = autoparallelize(copy.deepcopy(model), args, plan=Plan.from_json(pj), verify=True)

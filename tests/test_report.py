@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import autopar
+from autopar._testing.gpt import GPT, GPTConfig
 from autopar.errors import AutoparError
+from autopar.inspection.summary import UnknownNameError, build_groups, mode_label, render_summary
 from autopar.plan import ParamPlacement, Plan, PlanFileError, StagePlan
-from autopar.report import UnknownNameError, build_groups, mode_label, render_summary
-from examples.gpt import GPT, GPTConfig
 
 
 def tiny_gpt(n_layer: int, strategy: str = "auto") -> Plan:

@@ -11,7 +11,7 @@ import pytest
 from autopar.costmodel.hardware import LinkSpec
 from autopar.mesh import Mesh
 from autopar.placement import PAVG, SS, P, R, S
-from autopar.reshard import ReshardCost
+from autopar.planning.reshard import ReshardCost
 
 PLACEMENTS = [R, P, PAVG, S(0), S(1), SS(1, 3)]
 

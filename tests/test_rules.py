@@ -1,8 +1,8 @@
 """Sharding rules are numerically valid, and the resharding / parameter-memory formulas are right.
 
-The rule check is the executable meaning of `autopar.rules`: for every op of a real joint graph and
+The rule check is the executable meaning of `autopar.sharding.rules`: for every op of a real joint graph and
 every 1-D strategy its rule offers (that shards evenly), running the op on 2 virtual ranks' local
-shards (`tests/simulate.py::run_local`) and reassembling the outputs gives the op's real value.
+shards (`autopar/_testing/simulate.py::run_local`) and reassembling the outputs gives the op's real value.
 """
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ import pytest
 import torch
 import torch.fx as fx
 
-import models
-from simulate import run_local
-
-from autopar.capture import capture
-from autopar.mesh import Mesh
-from autopar.params import param_memory, param_strategies
-from autopar.placement import SS, P, R, S, divides, from_str, is_strided, local_shape, to_str
-from autopar.reshard import ReshardCost, Step, steps
-from autopar.rules import OpCall
-from autopar.strategies import StrategyEnumerator, is_getitem, val_of
+from autopar._testing import models
+from autopar._testing.simulate import run_local
+from autopar.capture.trace import capture
 from autopar.costmodel.comm import collective_time
+from autopar.graph import is_getitem, val_of
+from autopar.mesh import Mesh
+from autopar.placement import SS, P, R, S, divides, from_str, is_strided, local_shape, to_str
+from autopar.planning.reshard import ReshardCost, Step, steps
+from autopar.sharding.params import param_memory, param_strategies
+from autopar.sharding.rules import OpCall
+from autopar.sharding.strategies import StrategyEnumerator
 
 N = 2  # virtual ranks
 
@@ -185,7 +185,7 @@ def _fused_qkv_graph() -> tuple[fx.GraphModule, dict]:
 
 
 def test_split_factors_come_from_equal_splits_and_cats():
-    from autopar.rules.strided import split_factors
+    from autopar.sharding.rules.strided import split_factors
     gm, _ = _fused_qkv_graph()
     assert split_factors(gm.graph) == {(12, 3)}
     gpt, _ = _real_values(models.TINY_CASES["gpt"]())  # the hand-written GPT's fused c_attn

@@ -1,4 +1,4 @@
-"""The sharding rules added for the model zoo (autopar/rules/conv.py, misc.py) are numerically valid.
+"""The sharding rules added for the model zoo (autopar/sharding/rules/conv.py, misc.py) are numerically valid.
 
 As in tests/test_rules.py: every 1-D strategy a rule offers (that shards evenly), run on 2 virtual
 ranks' local shards and reassembled, equals the op's real value in a real joint graph. Checked on a
@@ -12,19 +12,19 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-
-import models
-from simulate import run_local
 from test_rules import N, _close, _real_values, fitting_strategies
 
-from autopar.canonicalize import canonicalize
-from autopar.capture import capture
-from autopar.costing import ProblemBuilder
+from autopar._testing import models
+from autopar._testing.simulate import run_local
+from autopar.capture.canonicalize import canonicalize
+from autopar.capture.trace import capture
 from autopar.errors import UnsupportedOpWarning
+from autopar.graph import val_of
 from autopar.mesh import Mesh
 from autopar.placement import P, R, S
-from autopar.rules import OpCall
-from autopar.strategies import StrategyEnumerator, val_of
+from autopar.planning.problem import ProblemBuilder
+from autopar.sharding.rules import OpCall
+from autopar.sharding.strategies import StrategyEnumerator
 
 aten = torch.ops.aten
 ZOO_OPS = (aten.convolution.default, aten.convolution_backward.default, aten.repeat.default, aten.topk.default,

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import autopar
+from autopar._testing import models
+from autopar._testing.dist_cases import assert_matches, run_each, train_many, train_reference
+from autopar._testing.dist_utils import run_distributed
 from autopar.placement import is_strided
-from dist_cases import assert_matches, run_each, train_many, train_reference
-from dist_utils import run_distributed
-import models
 
 STEPS = 3
 STRATEGIES = ["auto", "dp", "zero1", "zero2", "zero3", "tp"]
@@ -61,6 +61,7 @@ def gradient_placements(rank, world, model, batch):
     """After a train_step under tp (Shard, strided Shard and Replicate parameters): per parameter, whether
     p.grad is a DTensor with p's placements, global shape and local shape; and what a hook saw."""
     import copy
+
     from torch.distributed.tensor import DTensor
     pmodel = autopar.autoparallelize(copy.deepcopy(model), batch[0], example_kwargs=batch[1], strategy="tp")
     hooked = []
@@ -95,7 +96,7 @@ def test_matches_single_process(runs, name):
 
 
 def test_gradients_are_dtensors_placed_like_their_parameters(runs):
-    """_JointStep hands autograd DTensor gradients built from the graph's local ones (no to_local node)."""
+    """JointStepFunction hands autograd DTensor gradients built from the graph's local ones (no to_local node)."""
     world, _, extra = runs
     for rank, (res,) in enumerate(extra):
         assert not isinstance(res, str), f"rank {rank}: {res}"
@@ -105,8 +106,8 @@ def test_gradients_are_dtensors_placed_like_their_parameters(runs):
 
 
 def test_meta_model_materialises_only_local_shards():
-    from dist_cases import build_from_meta
-    from examples.gpt import GPT, GPTConfig
+    from autopar._testing.dist_cases import build_from_meta
+    from autopar._testing.gpt import GPT, GPTConfig
     from autopar.placement import from_str, local_shape
     config = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
     results = run_distributed(build_from_meta, 2, config, "zero3", 123, timeout=600)
@@ -130,8 +131,8 @@ def accumulated_gradients(rank, world, model, batches):
     """Gradients summed over batches without zero_grad between them, then after zero_grad(set_to_none=
     False) and one more batch: full tensors, rank 0's. A dp step's gradients are views of its flat
     bucket buffers; autograd must add the next step's into them, not the other way round."""
-    from dist_cases import private_copy
-    from autopar.runtime import autoparallelize
+    from autopar import autoparallelize
+    from autopar._testing.dist_cases import private_copy
     args, kwargs = batches[0]
     pmodel = autoparallelize(private_copy(model), args, example_kwargs=kwargs or None, strategy="dp")
     out = []
@@ -158,7 +159,8 @@ def accumulated_gradients(rank, world, model, batches):
 
 def test_gradients_accumulate_across_steps_without_zero_grad():
     import copy
-    from dist_cases import _loss
+
+    from autopar._testing.dist_cases import _loss
     case = MODELS["gpt"]()
     batches = _batches(case)
     got, (direct, through_autograd), calls = run_distributed(accumulated_gradients, 2, case.model, batches,
@@ -183,9 +185,9 @@ def test_gradients_accumulate_across_steps_without_zero_grad():
 def test_backward_hands_each_parameter_its_own_gradient_tensor():
     """loss.backward() seeds 1, so gradients are passed on unscaled, but never one tensor twice
     (autograd may accumulate into p.grad in place)."""
-    from autopar.runtime import _distinct, _is_one
+    from autopar.runtime.tensors import distinct, is_unit_seed
     a, b = torch.ones(3), torch.zeros(2)
-    out = _distinct([a, None, b, a])
+    out = distinct([a, None, b, a])
     assert out[0] is a and out[1] is None and out[2] is b and out[3] is not a
     torch.testing.assert_close(out[3], a)
-    assert _is_one(torch.tensor(1.0)) and not _is_one(torch.tensor(2.0))
+    assert is_unit_seed(torch.tensor(1.0)) and not is_unit_seed(torch.tensor(2.0))

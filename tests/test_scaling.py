@@ -1,4 +1,4 @@
-"""`autopar.scaling`: the table, the plot, and a stop point that moves the right way.
+"""`autopar.planning.scaling`: the table, the plot, and a stop point that moves the right way.
 
 The model is GPT-2 1.5B's shape (d 1600, 25 heads, vocab 50257, sequence 1024) on the meta device,
 2 layers instead of 48 so that planning stays fast (every layer is identical, so the per-layer
@@ -10,10 +10,11 @@ import dataclasses
 import pytest
 import torch
 
+from autopar import scaling
+from autopar._testing.gpt import GPT, GPTConfig
 from autopar.costmodel.hardware import H100, LinkSpec
 from autopar.errors import InputError
-from autopar.scaling import ScalingReport, default_mesh_shape, parse_devices, scaling
-from examples.gpt import GPT, GPTConfig
+from autopar.planning.scaling import ScalingReport, default_mesh_shape, parse_devices
 
 DEVICES = [1, 2, 4, 8, 16, 32, 64]
 

@@ -8,14 +8,14 @@ from datetime import timedelta
 import pytest
 import torch
 
-from autopar.canonicalize import is_view_like
+from autopar._testing import models
+from autopar._testing.dist_cases import assert_matches, train_many, train_reference
+from autopar._testing.dist_cases import lowered_for_rank0_of_2 as _lowered
+from autopar._testing.dist_utils import run_distributed
+from autopar.graph import is_view_like
 from autopar.ir import IRError, verify
-from autopar.passes import PIPELINE, emitted_collectives
-from autopar.passes import schedule_overlap
+from autopar.passes import PIPELINE, emitted_collectives, schedule_overlap
 from autopar.passes.ops import dense_in_order, start_all_reduce, start_reduce_scatter, wait_buckets
-from dist_cases import assert_matches, lowered_for_rank0_of_2 as _lowered, train_many, train_reference
-from dist_utils import run_distributed
-import models
 
 STARTS = (start_all_reduce, start_reduce_scatter)
 SMALL = dict(FIRST_BUCKET_BYTES=4096, BUCKET_BYTES=16384)  # many buckets on a tiny GPT
@@ -116,6 +116,7 @@ def _bucket_numerics(rank, world) -> list[str]:
     """Several buckets (mixed dtypes, a transposed tensor) in flight at once, waited out of order,
     equal one collective per tensor."""
     import torch.distributed as dist
+
     from autopar.passes import ops
     ops.BUCKET_BYTES = 64  # this process only: many flat buckets per start
     group = dist.group.WORLD.group_name

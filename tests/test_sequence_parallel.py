@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections import Counter
 import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -23,17 +23,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-import models
-from autopar.canonicalize import canonicalize
-from autopar.capture import capture
-from autopar.costing import ProblemBuilder, node_path
+from autopar._testing import models
+from autopar._testing.dist_cases import train_many, train_reference
+from autopar._testing.dist_utils import run_distributed
+from autopar.capture.canonicalize import canonicalize
+from autopar.capture.trace import capture
 from autopar.costmodel.memory import layer_activation_bytes
 from autopar.errors import InputError
+from autopar.graph import node_path
 from autopar.placement import P, R, S, is_shard
-from autopar.reshard import LAUNCH_FRACTION, ReshardCost
-from autopar.solver import solve
-from dist_cases import train_many, train_reference
-from dist_utils import run_distributed
+from autopar.planning.problem import ProblemBuilder
+from autopar.planning.reshard import LAUNCH_FRACTION, ReshardCost
+from autopar.planning.solver import solve
 
 T = 4  # tensor-parallel ways of the meta-model checks
 COLUMN = re.compile(r"layers\.\d+\.(qkv|fc1)\.weight$")
@@ -200,7 +201,7 @@ def test_activation_memory_matches_korthikanti(activations):
     by its ln_2 and by ln_f) agrees with it term by term, save the first item:
       * layer-norm statistics: mean and rstd, (b, s, 1) each in bf16, 2 layer norms: +8sb (1/t with
         sequence parallelism, like the norms);
-      * dropout masks are kept as 1-byte booleans, as Megatron's (`autopar/dropout_masks.py`; the
+      * dropout masks are kept as 1-byte booleans, as Megatron's (`autopar/capture/dropout_masks.py`; the
         captured graph alone keeps mask/(1-p) in bf16: +2sbh + as^2b, +13% under tensor parallelism);
       * the causal mask is a buffer (counted with parameters), the softmax saves its output (as
         Megatron counts it), GeLU its input, every matmul its inputs: as the paper.

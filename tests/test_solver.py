@@ -6,11 +6,11 @@ import math
 import numpy as np
 import pytest
 
-from autopar.costgraph import CostEdge, CostGraph, CostNode
-from autopar.dp_oracle import brute_force, variable_elimination
 from autopar.errors import InfeasiblePlanError
-from autopar.simplify import from_costgraph, quotient_layers, restore, simplify
-from autopar.solver import evaluate, min_memory, restrict, solve
+from autopar.planning.costgraph import CostEdge, CostGraph, CostNode
+from autopar.planning.dp_oracle import brute_force, variable_elimination
+from autopar.planning.simplify import from_costgraph, quotient_layers, restore, simplify
+from autopar.planning.solver import evaluate, min_memory, restrict, solve
 
 GB = 1e9
 
@@ -214,7 +214,7 @@ def test_hint_is_used_as_fallback():
 @pytest.mark.parametrize("quantile", [None, 0.3])
 def test_compact_drops_dominated_strategies_exactly(quantile):
     """Strategy copies made worse by a constant are dominated: `compact` removes them, same optimum."""
-    from autopar.simplify import compact
+    from autopar.planning.simplify import compact
     for seed in range(8):
         cg = random_graph(seed, inf_rate=0.0, budget_quantile=quantile)
         worse = CostGraph([CostNode(nd.name, np.concatenate([nd.time, nd.time + 0.5]),
@@ -275,7 +275,7 @@ def test_cache_across_memory_rows_matches_fresh_solves():
 
 def test_elimination_order_is_shared_and_refuses_large_tables():
     """One order (graph shape only) serves any costs on that graph; too large a table gives None first."""
-    from autopar.dp_oracle import elimination_order, problem_order
+    from autopar.planning.dp_oracle import elimination_order, problem_order
     for seed in range(6):
         p = from_costgraph(random_graph(seed))
         order = problem_order(p)
@@ -290,7 +290,7 @@ def test_elimination_order_is_shared_and_refuses_large_tables():
 def test_highs_takes_an_integral_lp_optimum_and_branches_otherwise():
     """HiGHS's model is first solved as an LP: an integral optimum is the ILP's (no branching); a
     fractional one (a memory row cutting the LP polytope) goes to the MIP. Both equal brute force."""
-    from autopar.ilp import _integral_relaxation, build_model, run_model
+    from autopar.planning.ilp import _integral_relaxation, build_model, run_model
     integral = fractional = 0
     for quantile in (None, 0.2, 0.5):
         for seed in range(8):

@@ -1,4 +1,4 @@
-"""Pipeline stage math (autopar/stages.py): schedule formulas against a simulated timeline, the
+"""Pipeline stage math (autopar/pipeline/stages.py): schedule formulas against a simulated timeline, the
 exact partition against brute force, and the splits it must find on uneven or memory-bound models."""
 from __future__ import annotations
 
@@ -8,8 +8,14 @@ import random
 import pytest
 
 from autopar.errors import InfeasiblePlanError
-from autopar.stages import (LayerCost, bubble_fraction, in_flight, mesh_factorizations, partition,
-                            schedule_step_time)
+from autopar.pipeline.stages import (
+    LayerCost,
+    bubble_fraction,
+    in_flight,
+    mesh_factorizations,
+    partition,
+    schedule_step_time,
+)
 
 
 def simulate(fwd, bwd, m, schedule, p2p=0.0):

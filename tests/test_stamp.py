@@ -7,16 +7,16 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.capture import capture
-from autopar.stamp import find_stacks
-from dist_cases import train_many, train_reference
-from dist_utils import run_distributed
+from autopar._testing.dist_cases import train_many, train_reference
+from autopar._testing.dist_utils import run_distributed
+from autopar.capture.stamp import find_stacks
+from autopar.capture.trace import capture
 
 LAYERS = 6
 
 
 def _gpt(n_layer=LAYERS):
-    from examples.gpt import GPT, GPTConfig
+    from autopar._testing.gpt import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=n_layer, n_head=2, n_embd=32))
     ids = torch.randint(0, 64, (2, 16))
@@ -148,7 +148,7 @@ def test_alike_toy_stack_is_stamped_and_exact():
 
 def test_stamped_model_trains_like_one_process():
     """The runtime executes the stamped graph: zero3 and tp at world 2 match one process."""
-    from examples.gpt import GPT, GPTConfig
+    from autopar._testing.gpt import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=5, n_head=2, n_embd=32))
     batches = []

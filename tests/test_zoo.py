@@ -1,6 +1,6 @@
 """Model zoo in CI: unmodified transformers families, planned and trained at worlds 2 and 4 (gloo).
 
-For each family (tiny config, random weights, tests/models.py ZOO_CASES) and world, autoparallelize plans
+For each family (tiny config, random weights, autopar/_testing/models.py ZOO_CASES) and world, autoparallelize plans
 and runs 3 AdamW steps under auto, zero3 and tp on a 1-D mesh; losses on every rank and the final
 parameters must equal one process (rtol 1e-4 / atol 1e-5), and the emitted collectives must be the
 plan's. The families of a group share one spawn of `world` ranks (dist_cases.run_each): starting 4 ranks
@@ -13,9 +13,16 @@ import pytest
 import torch
 
 import autopar
-import models
-from dist_cases import assert_matches, run_each, train_many, train_reference, private_copy, weights_restored
-from dist_utils import run_distributed
+from autopar._testing import models
+from autopar._testing.dist_cases import (
+    assert_matches,
+    private_copy,
+    run_each,
+    train_many,
+    train_reference,
+    weights_restored,
+)
+from autopar._testing.dist_utils import run_distributed
 
 STEPS = 3
 WORLD = 2
@@ -25,7 +32,7 @@ KWS = [dict(strategy=s) for s in STRATEGIES]
 # soft-capping (gemma2), parallel block + partial rotary (phi), parallel residual (gpt_neox), learned
 # positions pre/post-norm (opt, opt_postnorm), alibi (bloom).
 # falcon (parallel attention+MLP), bart (encoder-decoder, cross-attention), vit (conv patches, class token).
-# mixtral (top-2 of 4 experts through grouped matmuls, autopar/rules/moe.py; the forced expert layouts below),
+# mixtral (top-2 of 4 experts through grouped matmuls, autopar/sharding/rules/moe.py; the forced expert layouts below),
 # qwen2_moe (routed experts + a gated shared expert), olmoe (experts + RMS-normed q and k).
 # t5 (relative position bias): compared on the first step's gradients, see _check_first_step.
 FAMILIES = ["mistral", "qwen2", "gemma", "gemma2", "phi", "gpt_neox", "opt", "opt_postnorm", "bloom", "falcon", "bart",
@@ -38,7 +45,7 @@ GROUPS = {"decoders": FAMILIES[:7], "rest": FAMILIES[7:12] + ["t5"], "moe": FAMI
 def _first_gradients(rank, world, model, batch, kw):
     """One autoparallelized step: the loss and every parameter's whole gradient. The jobs of one model
     share the object (one pickle) and so its private copy: the capture cache traces it once per rank."""
-    from autopar.runtime import autoparallelize
+    from autopar import autoparallelize
     args, kwargs = batch
     model = private_copy(model)
     with weights_restored(model):
@@ -99,7 +106,7 @@ def test_families_match_single_process(group, world):
 def test_mixtral_forced_expert_layouts_match_single_process():
     """Mixtral under expert parallelism (tokens dispatched with all_to_all) and under tensor-split
     experts, each a plan made with `moe.force_experts`, equals one process too."""
-    from autopar.rules import moe
+    from autopar.sharding.rules import moe
     case = models.ZOO_CASES["mixtral"]()
     batches = models.zoo_batches(case, STEPS)
     ref_losses, ref_state = train_reference(case.model, batches, STEPS)

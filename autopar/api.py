@@ -1,0 +1,165 @@
+"""The front door: `plan`, `autoparallelize` and `scaling`, every option explicit.
+
+Each function checks what it was given, then hands the work to one stage of the pipeline (docs/architecture.md):
+SPMD planning (`autopar.planning.spmd`), pipelined planning (`autopar.pipeline.planning`) or the
+layout search (`autopar.pipeline.search`); the SPMD runtime (`autopar.runtime.module`) or the
+pipelined one (`autopar.pipeline.runtime`). This module is the only one that knows both.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch.nn as nn
+
+from autopar.capture.precision import MixedPrecision
+from autopar.errors import InputError, MeshError
+from autopar.mesh import Mesh
+from autopar.pipeline.planning import plan_pipelined
+from autopar.pipeline.runtime import PipelinedModule, parallelize_pipelined
+from autopar.pipeline.search import plan_searched
+from autopar.plan import Plan
+from autopar.planning.scaling import ScalingReport, plan_scaling
+from autopar.planning.spmd import plan_spmd
+from autopar.runtime.cpu_memory import keep_freed_memory
+from autopar.runtime.launch import broadcast_plan, device_type, init_distributed, local_device
+from autopar.runtime.module import ParallelModule, parallelize_spmd
+
+Strategy = str | dict   # "auto" | "dp" | "zero1" | "zero2" | "zero3" | "tp", or {axis name: one of these}
+Budget = int | float | str | None   # bytes per device, or "80GB"
+Precision = str | MixedPrecision | None
+Recompute = str | Sequence[str] | None
+
+
+def plan(model: nn.Module, example_inputs, *, mesh: Mesh | tuple, strategy: Strategy = "auto",
+         memory_budget: Budget = None, optimizer: str = "adamw", loss_fn: Callable | None = None,
+         time_limit: float | None = None, example_kwargs: dict | None = None, baselines: bool = True,
+         mixed_precision: Precision = None, recompute: Recompute = None, num_stages: int | str | None = None,
+         num_microbatches: int | None = None, schedule: str | None = None,
+         virtual_stages: int | None = None) -> Plan:
+    """Capture `model`'s training step, price every way to split it over `mesh`, and pick the fastest
+    that fits `memory_budget` bytes per device (int or "80GB"). One process, fake tensors.
+
+    `baselines=False` skips pricing the textbook recipes for comparison (faster; none in the plan).
+    `mixed_precision="bf16"` (or a `MixedPrecision`) plans the autocast step (`autopar.capture.precision`).
+    `recompute`: None/"auto" (layers recompute only when no plan fits the budget otherwise), "none",
+    "all", or a list of layer paths ("transformer.h.0"); see `autopar.planning.recompute`.
+    `num_stages=p` (or a mesh whose first axis is "pp") forces a pipeline of p stages, run with
+    `schedule` ("gpipe", "1f1b", "interleaved_1f1b" with `virtual_stages` chunks per device) over
+    `num_microbatches`; `num_stages="auto"` searches pipeline x data x tensor layouts
+    (`autopar.pipeline.search`)."""
+    mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
+    if num_stages == "auto":
+        return _search(model, example_inputs, mesh=mesh, memory_budget=memory_budget, optimizer=optimizer,
+                       loss_fn=loss_fn, time_limit=time_limit, baselines=baselines, example_kwargs=example_kwargs,
+                       mixed_precision=mixed_precision, recompute=recompute, num_microbatches=num_microbatches,
+                       schedule=schedule, virtual_stages=virtual_stages)
+    if _stage_count(num_stages) > 1 or "pp" in mesh.axis_names:
+        if mixed_precision is not None or recompute not in (None, "none"):
+            raise InputError("mixed_precision and recompute are not supported with pipelined plans yet")
+        return plan_pipelined(model, example_inputs, mesh=mesh, num_stages=num_stages,
+                              num_microbatches=num_microbatches, schedule=schedule, virtual_stages=virtual_stages,
+                              example_kwargs=example_kwargs, loss_fn=loss_fn, strategy=strategy,
+                              memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
+                              baselines=baselines)
+    _reject_pipeline_options("plan", num_microbatches, schedule, virtual_stages)
+    return plan_spmd(model, example_inputs, mesh=mesh, strategy=strategy, memory_budget=memory_budget,
+                     optimizer=optimizer, loss_fn=loss_fn, time_limit=time_limit, example_kwargs=example_kwargs,
+                     baselines=baselines, mixed_precision=mixed_precision, recompute=recompute)
+
+
+def autoparallelize(model: nn.Module, example_inputs, *, mesh: Mesh | tuple | None = None,
+                    strategy: Strategy = "auto", memory_budget: Budget = None, plan: Plan | None = None,
+                    loss_fn: Callable | None = None, example_kwargs: dict | None = None, optimizer: str = "adamw",
+                    time_limit: float | None = None, verify: bool = False,
+                    init_fn: Callable[[nn.Module], None] | None = None, device: str | None = None,
+                    baselines: bool | None = None, mixed_precision: Precision = None,
+                    recompute: Recompute = None, num_stages: int | str | None = None, num_microbatches: int | None = None,
+                    schedule: str | None = None,
+                    virtual_stages: int | None = None) -> ParallelModule | PipelinedModule:
+    """Plan (or reuse `plan`), rewrite and return a module that trains on this rank of the job.
+
+    `mesh=None`: a 1-D mesh over the torchrun world. A model on the meta device is materialised
+    module by module (`init_fn(module)`, default: torch.nn layers' reset_parameters), each rank keeping
+    only its shards; see `autopar.runtime.materialize`. `device`: "cpu" (gloo), "cuda" (NCCL) or None
+    (CUDA when this machine has it). `verify=True` checks the IR between passes (autopar/ir.py).
+    `baselines` (price the textbook recipes for the plan's comparison table) defaults to yes for SPMD
+    plans and the layout search, no for a forced pipeline (a recipe there is a solve per stage layout).
+    The other options are `plan`'s."""
+    _, world = init_distributed(device)
+    if device_type() == "cpu":
+        keep_freed_memory()  # else glibc page-faults every step's activations in again (runtime/cpu_memory.py)
+    mesh = _world_mesh(mesh, world)
+    if num_stages == "auto":  # search the layout; the plan brings its mesh, micro-batches and schedule
+        if plan is None:
+            plan = broadcast_plan(lambda: _search(
+                model, example_inputs, mesh=mesh, memory_budget=memory_budget, optimizer=optimizer, loss_fn=loss_fn,
+                time_limit=time_limit, baselines=baselines is not False, example_kwargs=example_kwargs,
+                mixed_precision=mixed_precision, recompute=recompute, num_microbatches=num_microbatches,
+                schedule=schedule, virtual_stages=virtual_stages))
+        mesh, num_stages, num_microbatches, schedule = plan.mesh, None, None, None
+    if _stage_count(num_stages) > 1 or "pp" in mesh.axis_names or (plan is not None and bool(plan.stages)):
+        return parallelize_pipelined(
+            model, example_inputs, mesh=mesh, plan=plan, num_stages=num_stages, num_microbatches=num_microbatches,
+            schedule=schedule, virtual_stages=virtual_stages, example_kwargs=example_kwargs, loss_fn=loss_fn,
+            verify=verify, device_type=device_type(), device=local_device(), broadcast=broadcast_plan,
+            mixed_precision=mixed_precision, recompute=recompute, strategy=strategy, memory_budget=memory_budget,
+            optimizer=optimizer, time_limit=time_limit, baselines=bool(baselines))
+    _reject_pipeline_options("autoparallelize", num_microbatches, schedule, virtual_stages)
+    return parallelize_spmd(model, example_inputs, mesh=mesh, plan=plan, example_kwargs=example_kwargs,
+                            loss_fn=loss_fn, strategy=strategy, memory_budget=memory_budget, optimizer=optimizer,
+                            time_limit=time_limit, baselines=baselines is not False, mixed_precision=mixed_precision,
+                            recompute=recompute, verify=verify, init_fn=init_fn)
+
+
+def scaling(model: nn.Module, example_inputs, *, devices: Sequence[int] = (1, 2, 4, 8), hardware="cpu",
+            memory_budget: Budget = None, threshold: float = 0.5, devices_per_node: int | None = None,
+            optimizer: str = "adamw", loss_fn: Callable | None = None,
+            time_limit: float | None = None) -> ScalingReport:
+    """Plan `model` on each device count of `devices` (strong scaling: the batch of `example_inputs`
+    is split among them) on `hardware` (a preset name or a HardwareSpec), and say where adding
+    devices stops paying: the first count whose efficiency falls below `threshold` or whose
+    throughput does not rise (`autopar.planning.scaling`). `.rows`, `.stop_at`, `.reason`, `.plot()`."""
+    return plan_scaling(model, example_inputs, devices=devices, hardware=hardware, memory_budget=memory_budget,
+                        threshold=threshold, devices_per_node=devices_per_node, optimizer=optimizer,
+                        loss_fn=loss_fn, time_limit=time_limit)
+
+
+# ---------------------------------------------------------------- option checks
+def _search(model, example_inputs, *, mesh: Mesh, memory_budget, optimizer, loss_fn, time_limit, baselines,
+            example_kwargs, mixed_precision, recompute, num_microbatches, schedule, virtual_stages) -> Plan:
+    if mixed_precision is not None or recompute not in (None, "none") or example_kwargs:
+        raise InputError("num_stages='auto' does not combine with mixed_precision, recompute or "
+                         "example_kwargs yet; pass num_stages=p to force a pipeline")
+    if virtual_stages is not None:
+        raise InputError("virtual_stages applies to a forced pipeline (num_stages=p); with num_stages='auto' "
+                         "the search prices interleaved 1F1B with its own chunk count")
+    return plan_searched(model, example_inputs, mesh=mesh, memory_budget=memory_budget, optimizer=optimizer,
+                         loss_fn=loss_fn, time_limit=time_limit, baselines=baselines,
+                         num_microbatches=num_microbatches, schedule=schedule)
+
+
+def _stage_count(num_stages) -> int:
+    if num_stages is None:
+        return 1
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise InputError(f"num_stages={num_stages!r}: pass a number of pipeline stages (>= 1) or 'auto'")
+    return num_stages
+
+
+def _reject_pipeline_options(where: str, num_microbatches, schedule, virtual_stages) -> None:
+    """Micro-batches, a schedule and chunks per device mean nothing without pipeline stages."""
+    for key, value in (("num_microbatches", num_microbatches), ("schedule", schedule),
+                       ("virtual_stages", virtual_stages)):
+        if value not in (None, 1):
+            raise InputError(f"{key}={value!r} applies to pipelined plans only: pass num_stages=2 or more, or a "
+                             f"mesh with a 'pp' axis (in {where}())")
+
+
+def _world_mesh(mesh, world: int) -> Mesh:
+    if mesh is None:
+        return Mesh((world,), hardware="cpu" if device_type() == "cpu" else "h100")
+    mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
+    if mesh.size != world:
+        raise MeshError(f"the mesh has {mesh.size} devices ({mesh}) but this job has {world} ranks; "
+                        f"launch with torchrun --nproc_per_node {mesh.size} or pass a mesh of {world}")
+    return mesh

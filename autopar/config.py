@@ -1,0 +1,48 @@
+"""Every setting autopar reads from the environment, in one place.
+
+| variable | default | effect |
+|---|---|---|
+| AUTOPAR_DEBUG | 0 | 0: progress lines on a terminal only; 1: timings of each planning phase and pass; 2: + the pass list, cost-graph sizes, solver statistics; 3: + every collective the lowering emits; 4: + each graph after each pass |
+| AUTOPAR_DUMP_DIR | unset | a folder that receives each graph before and after each pass (NN_pass_{before,after}.py) |
+| AUTOPAR_DISABLE_PASSES | unset | comma-separated optional passes to switch off (`autopar.passes.OPTIONAL`) |
+| AUTOPAR_CAPTURE_CACHE | 1 | 0: trace the model at every call instead of reusing the graph captured for the same model object, inputs and options |
+| AUTOPAR_KEEP_CPU_MEMORY | 1 | 0: leave glibc's malloc thresholds as they are (`autopar/runtime/cpu_memory.py`) |
+
+Each is read when it is used (not at import), so a test or a script may set it at any time.
+The launcher's own variables (RANK, WORLD_SIZE, LOCAL_RANK, ...) are torch's, read where they are used.
+"""
+from __future__ import annotations
+
+import os
+
+DEBUG = "AUTOPAR_DEBUG"
+DUMP_DIR = "AUTOPAR_DUMP_DIR"
+DISABLE_PASSES = "AUTOPAR_DISABLE_PASSES"
+CAPTURE_CACHE = "AUTOPAR_CAPTURE_CACHE"
+KEEP_CPU_MEMORY = "AUTOPAR_KEEP_CPU_MEMORY"
+_OFF = ("0", "false", "off", "no")
+
+
+def debug_level() -> int:
+    """AUTOPAR_DEBUG as an int (a value that is not a number counts as 1)."""
+    try:
+        return int(os.environ.get(DEBUG, "0") or 0)
+    except ValueError:
+        return 1
+
+
+def dump_dir() -> str | None:
+    return os.environ.get(DUMP_DIR) or None
+
+
+def disabled_passes() -> frozenset[str]:
+    """Pass names in AUTOPAR_DISABLE_PASSES (unchecked; `autopar.passes.env_disabled` checks them)."""
+    return frozenset(n.strip() for n in os.environ.get(DISABLE_PASSES, "").split(",") if n.strip())
+
+
+def capture_cache_enabled() -> bool:
+    return os.environ.get(CAPTURE_CACHE, "1").strip().lower() not in _OFF
+
+
+def keep_cpu_memory() -> bool:
+    return os.environ.get(KEEP_CPU_MEMORY, "1") != "0"

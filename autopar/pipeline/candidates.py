@@ -1,0 +1,177 @@
+"""Pricing the pipeline search's candidates, and the branch and bound that skips most of them.
+
+A candidate is a (pp, dp, tp) mesh, a micro-batch count m and a schedule. `price` splits the unit
+profile of the micro-batch graph on the (dp, tp) sub-mesh (`search.Profiler.layers`) into pp
+stages exactly for the schedule, under the budget (`stages.partition`). If no split fits, the SPMD plan
+is re-solved with memory rows before the candidate is called infeasible: first rows that weigh
+activations by the mean number of micro-batches a stage keeps in flight (w: GPipe m, 1F1B
+(pp + 1) / 2 for m >= pp; `stages.in_flight`),
+    Σ state + w · Σ activations <= pp · budget  (then half of pp · budget: INNER_TIGHTENING),
+what the stages hold together when the split evens out their memory (tried after the loosest
+unweighted row and before the tighter one).
+The mean overstates what an uneven split holds (it gives the stages that keep many micro-batches
+fewer units), so a weighted row that no SPMD plan meets is retried at FLOOR_SLACK times the least
+weighted memory: those plans keep the fewest activations, and often split. Not where no split can
+fit: the stages together hold at least Σ state + c · Σ activations >= (c / w) · (least weighted
+memory) for c the fewest micro-batches any stage keeps, which must not exceed pp * budget (GPipe,
+where every stage keeps m = w, is thus never retried). When no plan meets the loosest unweighted row,
+pp * budget, no split fits at all (every stage keeps at least one micro-batch): the candidate stops.
+A row the looser plan already meets is not re-solved. Unweighted rows alone let the SPMD plan keep
+large activations (Llama-70B on 256 devices at 40 GB, pp 8 x dp 4 x tp 8, 1F1B, m 32: 92 GB of
+activations per micro-batch under a 160 GB row, kept up to 8 times on the first stages), so auto
+found no split where ZeRO-3 x TP did.
+Branch and bound (`branch_and_bound`) keeps the search exact while skipping SPMD solves: a candidate
+is priced only if a lower bound of its step time is within the k-th fastest found so far. The bounds
+hold for every plan of the cost model: no op or parameter on k devices costs less than 1/k of its
+one-device time (roofline on local FLOPs and bytes, both >= 1/k), edges cost >= 0, and the
+schedules' step time is >= f * S + P / pp for S the per-micro-batch seconds, P the per-step seconds,
+f = 1/v + (m - 1/v) / pp (`stages.step_lower_bound`); the second bound also charges the resharding of
+a spanning forest of the cost graph (`autopar.planning.forest_bound`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from autopar.costmodel.memory import format_bytes
+from autopar.errors import InfeasiblePlanError
+from autopar.mesh import Mesh
+from autopar.pipeline.stages import INTERLEAVE, StageSplit, chunk_in_flight, partition, step_lower_bound
+
+if TYPE_CHECKING:
+    from autopar.pipeline.search import Profiler
+
+INNER_TIGHTENING = (1.0, 0.5)   # inner SPMD memory rows tried, as fractions of pp * budget
+FLOOR_SLACK = 1.05        # a weighted row no SPMD plan meets is retried at this times the least one
+
+@dataclass(frozen=True)
+class Candidate:
+    """One priced point of the search: a (pp, dp, tp) mesh, micro-batch count and schedule."""
+    pp: int
+    dp: int
+    tp: int
+    num_microbatches: int
+    schedule: str                        # a stages.SCHEDULES name ("1f1b" with pp = 1: gradient accumulation)
+    feasible: bool
+    step_time: float | None              # seconds (None when infeasible)
+    memory_per_device: float             # fullest stage's bytes, or the least any split needs
+    split: StageSplit | None = None
+    stage_modules: tuple[tuple[str, ...], ...] = ()   # unit names per stage (chunk for interleaved)
+    inner_budget: float | None = None    # the SPMD memory row the profile was solved under
+    inner_weight: float = 1.0            # ... with activations weighted by this in-flight count
+    reason: str = ""
+
+    def as_dict(self) -> dict:
+        """A JSON-ready row (for Plan.baselines or a report)."""
+        return {"mesh": {"pp": self.pp, "dp": self.dp, "tp": self.tp}, "num_microbatches": self.num_microbatches,
+                "schedule": self.schedule, "feasible": self.feasible, "time": self.step_time,
+                "memory": self.memory_per_device, "bounds": list(self.split.bounds) if self.split else None,
+                "bubble": float(self.split.bubble_fraction) if self.split else None, "reason": self.reason}
+
+
+def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int) -> list[Candidate]:
+    """Price `jobs` best-first by a lower bound of their step time, skipping every candidate whose
+    bound exceeds the `keep`-th fastest feasible time found so far: it cannot be among the `keep`
+    fastest, so the search's best (and its keep - 1 runners-up) are those of pricing every job.
+    Two bounds, cheap first: `stages.step_lower_bound` of the one-device seconds of the micro-batch
+    size (no CostProblem needed; it orders the (micro-batch size, dp, tp) groups, whose memory rows are
+    solved together while their CostProblem is kept), then the spanning-forest relaxation of the
+    group's CostProblem (`Profiler.forest_bound`, which adds the communication a forest must pay)."""
+    groups: dict[tuple, list[tuple]] = {}
+    for pp, dp, tp, m, names in jobs:
+        ops, step = prof.one_device_seconds(m)
+        for s in names:
+            bound = step_lower_bound(ops / (dp * tp), step / (dp * tp), pp, m, s, INTERLEAVE)
+            groups.setdefault((m, *prof._inner(dp, tp, strategy)), []).append((bound, pp, dp, tp, m, s))
+    found: list[Candidate] = []
+    fastest: list[float] = []
+    cutoff = float("inf")
+    for group in sorted(groups.values(), key=lambda g: min(g)[0]):   # stable: enumeration order on ties
+        if min(group)[0] > cutoff:
+            break  # every later group's least bound is larger still
+        # the forest needs the group's CostProblem: worth building first only where the solve is the costly
+        # 2-D one (auto on a dp x tp sub-mesh); 1-D and forced-recipe groups solve by the DP in a blink
+        forest = strategy is None and min(group[0][2], group[0][3]) > 1
+        for bound, pp, dp, tp, m, s in group:
+            if bound > cutoff or (forest and cutoff < float("inf") and
+                                  prof.forest_bound(m, dp, tp, strategy, pp, s) > cutoff):
+                continue
+            new = price(prof, pp, dp, tp, m, (s,), budget, strategy)
+            found += new
+            fastest = sorted(fastest + [c.step_time for c in new if c.feasible])[:keep]
+            # the bound is a sum of the same terms in another order: allow for float rounding
+            cutoff = fastest[-1] * (1 + 1e-9) if len(fastest) == keep else float("inf")
+    return found
+
+
+def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, strategy=None) -> list[Candidate]:
+    """Candidates of one (pp, dp, tp, m) for each schedule: the loosest SPMD memory row whose split fits."""
+    full = Mesh((pp, dp, tp), ("pp", "dp", "tp"), prof.hardware, prof.dpn)
+    p2p = (lambda nbytes: full.p2p_time(nbytes, "pp")) if pp > 1 else (lambda nbytes: 0.0)
+    out = []
+    for schedule in schedules:
+        v = INTERLEAVE if schedule == "interleaved_1f1b" else 1
+        if v > 1 and m % pp:
+            continue  # interleaving needs whole rounds of pp micro-batches
+        best, least, held = None, float("inf"), None   # held: (state, activation) bytes of the last plan
+        counts = [chunk_in_flight(schedule, pp, m, c, v) for c in range(pp * v)]   # micro-batches each chunk keeps
+        rows, k, fewest = _rows(pp, counts, budget), 0, min(counts)
+        while k < len(rows):
+            (row, w), k = rows[k], k + 1
+            if held is not None and row is not None and held[0] + w * held[1] <= row:
+                continue  # the looser plan already fits this row: a re-solve would return it again
+            try:
+                layers = prof.layers(m, dp, tp, row, strategy, act_weight=w)
+            except InfeasiblePlanError as e:  # no SPMD plan fits this row: a tighter one cannot either
+                if pp == 1:  # one stage: the whole graph's memory is the device's
+                    least = min(least, e.min_memory_per_device or float("inf"))
+                if w == 1.0 and row == pp * budget:
+                    break   # every stage keeps >= 1 micro-batch: no split of any plan holds less than this row
+                rows[k:] = [r for r in rows[k:] if r[1] != w]   # drop this weight's tighter rows
+                floor = e.min_memory_per_device   # the least weighted memory any SPMD plan has
+                if (w != 1.0 and floor is not None and math.isfinite(floor) and (floor * FLOOR_SLACK, w) not in rows
+                        and floor * fewest / w <= pp * budget):
+                    rows.insert(k, (floor * FLOOR_SLACK, w))   # the most activation-frugal plans
+                continue
+            held = (sum(x.state_bytes for x in layers), sum(x.activation_bytes for x in layers))
+            if pp * v > len(layers):
+                break
+            try:
+                split = partition(layers, pp, m, schedule, p2p_time=p2p, memory_budget=budget, v=v)
+            except InfeasiblePlanError as e:
+                least = min(least, e.min_memory_per_device or float("inf"))
+                continue
+            best = Candidate(pp, dp, tp, m, schedule, True, split.step_time, max(split.stage_memory), split,
+                             stage_modules(layers, split), row, w)
+            break
+        if best is None and least < float("inf"):
+            best = Candidate(pp, dp, tp, m, schedule, False, None, least,
+                             reason=f"needs {format_bytes(least)} per device")
+        if best is not None:
+            out.append(best)
+    return out
+
+
+def _rows(pp: int, counts: list[float], budget: float | None) -> list[tuple[float | None, float]]:
+    """(memory row, activation weight) in the order tried: no row, the loosest unweighted row (so a
+    candidate that split there before still does, with the same plan), then for a pipeline the rows
+    weighing activations by the stages' mean in-flight count, then the tighter unweighted rows. One
+    stage starts at the budget itself: the solver returns the fastest plan when it fits (the same
+    one, at the same cost), and when no plan fits it says so without solving for the fastest."""
+    rows = [(None, 1.0)]
+    if budget is None:
+        return rows
+    if pp == 1:   # one stage fits iff its plan meets the row; the fastest plan is tried first when it does
+        return [(budget * f, 1.0) for f in INNER_TIGHTENING]
+    w = float(np.mean(counts))
+    unweighted = [(pp * budget * f, 1.0) for f in INNER_TIGHTENING]
+    weighted = [(pp * budget * f, w) for f in INNER_TIGHTENING] if w != 1.0 else []
+    return rows + unweighted[:1] + weighted + unweighted[1:]
+
+
+def stage_modules(layers, split: StageSplit) -> tuple[tuple[str, ...], ...]:
+    ends = list(split.bounds[1:]) + [len(layers)]
+    return tuple(tuple(x.name for x in layers[a:b]) for a, b in zip(split.bounds, ends))

@@ -1,0 +1,149 @@
+"""Per-unit cost profile of a solved SPMD problem: the input of pipeline stage partitioning.
+
+A pipelined plan runs the micro-batch graph, planned by the SPMD planner on the sub-mesh of the
+non-pipeline axes, cut between units that cannot be split: everything before the layer stack
+("<pre>": embeddings, rotary tables), one unit per layer of the stack, everything after ("<post>":
+final norm, head, loss). For the chosen strategy of every node this module sums, per unit:
+    forward / backward   the node's compute + node-local collectives, plus the resharding on its
+                         input edges, by the phase of the consuming node (per micro-batch)
+    per_step             what runs once per step whatever the micro-batch count: the optimizer
+                         update, ZeRO-1/2 parameter gathers, gradient all-reduces (the pipelined
+                         runtime defers them to the step's end, passes/defer_grad_reductions.py);
+                         a gradient's other collectives (ZeRO reduce-scatters) run in every
+                         micro-batch's backward and count under backward
+    state_bytes          params + gathered params + grads + optimizer state of its parameters
+    activation_bytes     the outputs its forward ops keep for backward (problem.saved_values)
+    boundary_bytes       forward values made at or before this unit and read by a later unit,
+                         local bytes under their chosen placement (what a stage cut here sends)
+so the units' sums equal the SPMD plan's totals (assemble.totals): time and memory.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch.fx as fx
+
+from autopar.graph import PHASE, layer_of, node_path, producer_of
+from autopar.pipeline.stages import LayerCost
+from autopar.placement import local_fraction
+from autopar.planning.problem import CostProblem
+
+PRE, POST = "<pre>", "<post>"
+STATE = ("params", "gathered_params", "grads", "optimizer")
+
+
+def layer_stack(prob: CostProblem) -> str:
+    """The module container with the most numbered layers (e.g. "model.layers"), or "" if none."""
+    counts: dict[str, set[int]] = {}
+    for node in prob.nodes:
+        key = layer_of(node_path(node))
+        if key is not None:
+            counts.setdefault(key[0], set()).add(key[1])
+    return max(counts, key=lambda c: len(counts[c]), default="")
+
+
+def unit_names(prob: CostProblem) -> tuple[list[str], list[int]]:
+    """Unit names in execution order and the unit index of every cost-graph node."""
+    stack = layer_stack(prob)
+    layers = sorted({k[1] for k in (layer_of(node_path(n)) for n in prob.nodes) if k and k[0] == stack})
+    names = [PRE] + [f"{stack}.{i}" for i in layers] + [POST]
+    position = {i: j + 1 for j, i in enumerate(layers)}
+    return names, _assign(prob, stack, position, len(names) - 1)
+
+
+def _stack_unit(node: fx.Node, stack: str, position: dict[int, int]) -> int | None:
+    key = layer_of(node_path(node))
+    return position[key[1]] if key is not None and key[0] == stack else None
+
+
+def _assign(prob: CostProblem, stack: str, position: dict[int, int], post: int) -> list[int]:
+    """Forward ops outside the stack: <pre> before the first stack op, <post> after. Backward ops
+    outside it: the unit of the forward module they differentiate if it has a path, else the unit of
+    the last stack op seen (backward runs the units in reverse: <post> first, <pre> last).
+    Inputs and parameters: the unit of their first consumer."""
+    unit = [-1] * len(prob.nodes)
+    by_path: dict[str, int] = {}
+    seen_stack, current = False, post
+    for i, node in enumerate(prob.nodes):
+        if node.op == "placeholder":
+            continue
+        u = _stack_unit(node, stack, position)
+        if node.meta.get(PHASE) == "forward":
+            seen_stack |= u is not None
+            u = u if u is not None else (post if seen_stack else 0)
+            by_path.setdefault(node_path(node), u)
+        elif u is None:
+            u = by_path.get(node_path(node)) if node_path(node) else None
+            u = current if u is None else u
+        else:
+            current = u
+        unit[i] = u
+    for i, node in enumerate(prob.nodes):
+        if node.op == "placeholder":
+            users = [prob.index[producer_of(u)[0]] for u in node.users if producer_of(u)[0] in prob.index]
+            unit[i] = min((unit[j] for j in users if unit[j] >= 0), default=0)
+    return unit
+
+
+def layer_costs(prob: CostProblem, choice: np.ndarray, captured=None) -> list[LayerCost]:
+    """One LayerCost per unit of the solved problem (see the module docstring), in execution order.
+    `captured` is accepted for the callers' symmetry; the CostProblem already holds the graph."""
+    names, unit = unit_names(prob)
+    n = len(names)
+    fwd, bwd, step = np.zeros(n), np.zeros(n), np.zeros(n)
+    state, act = np.zeros(n), np.zeros(n)
+    for i, node in enumerate(prob.nodes):
+        k, u = choice[i], unit[i]
+        t = float(prob.compute[i][k] + prob.local_comm[i][k])
+        if node.op == "placeholder":
+            step[u] += t
+        elif node.meta.get(PHASE) == "forward":
+            fwd[u] += t
+        else:
+            bwd[u] += t
+        state[u] += sum(float(prob.memory[i][c][k]) for c in STATE)
+        act[u] += float(prob.memory[i]["activations"][k])
+    for e, ce in zip(prob.edges, prob.cg.edges):
+        t, u = float(ce.time[choice[e.src], choice[e.dst]]), unit[e.dst]
+        if e.kind == "grad":
+            once = _all_reduce_seconds(prob, e, choice)
+            step[unit[e.src]] += once
+            bwd[unit[e.dst]] += max(0.0, t - once)
+        elif prob.nodes[e.dst].meta.get(PHASE) == "forward":
+            fwd[u] += t
+        else:
+            bwd[u] += t
+    boundary = _boundaries(prob, choice, unit, n)
+    used = set(unit)
+    return [LayerCost(names[u], float(fwd[u]), float(bwd[u]), float(state[u]), float(act[u]), float(boundary[u]),
+                      per_step=float(step[u])) for u in range(n) if u in used]
+
+
+def _all_reduce_seconds(prob: CostProblem, e, choice: np.ndarray) -> float:
+    """The all-reduce steps' share of a gradient edge's (bucketed) seconds: the same terms as
+    `ReshardCost.time`, which prices the edge."""
+    rs = prob.reshard
+    grad_spec = prob.strategies[e.dst][choice[e.dst]].outs[e.out]
+    master = prob.strategies[e.src][choice[e.src]].master
+    return sum(rs.step_time(st, bucketed=True, total_bytes=e.nbytes)
+               for st in rs.steps(grad_spec, master, e.nbytes) if st.kind == "all_reduce")
+
+
+def _boundaries(prob: CostProblem, choice: np.ndarray, unit: list[int], n: int) -> np.ndarray:
+    """bytes[u]: forward values produced in units <= u and read by forward ops of units > u (a value
+    read by several later units, like Llama's rotary tables, crosses every cut up to its last reader)."""
+    last: dict[tuple[int, int], int] = {}     # (producer, output) -> last unit reading it
+    nbytes: dict[tuple[int, int], float] = {}
+    axis_sizes = tuple(prob.mesh.shape)
+    for e in prob.edges:
+        src, dst = prob.nodes[e.src], prob.nodes[e.dst]
+        if e.kind != "data" or src.op == "placeholder" or dst.meta.get(PHASE) != "forward":
+            continue  # inputs reach every stage from the data loader; backward values stay inside
+        if unit[e.dst] > unit[e.src]:
+            key = (e.src, e.out)
+            last[key] = max(last.get(key, 0), unit[e.dst])
+            spec = prob.strategies[e.src][choice[e.src]].outs[e.out]
+            nbytes[key] = e.nbytes * local_fraction(spec, axis_sizes)
+    out = np.zeros(n)
+    for (src, o), hi in last.items():
+        out[unit[src]:hi] += nbytes[(src, o)]
+    return out

@@ -1,0 +1,225 @@
+"""Forced pipelined plans: `plan(..., num_stages=p)` -> a Plan whose mesh has a leading "pp" axis.
+
+Steps (`plan_pipelined_captured`, after the micro-batch graph is captured):
+  1. the mesh: a 1-D mesh of N devices becomes Mesh((p, N // p), ("pp", <its axis>)) on the same
+     hardware; a mesh with a "pp" axis (first) is used as is; the sub-mesh is every other axis;
+  2. the SPMD planner on the MICRO-BATCH graph (inputs split along dim 0 into m micro-batches) and
+     the sub-mesh: one strategy per op, shared by every stage;
+  3. per-unit costs of that solution (`autopar.pipeline.layer_profile`: "<pre>", each layer of the stack,
+     "<post>") and the exact contiguous split into p stages (`autopar.pipeline.stages.partition`) for the
+     schedule and the memory budget;
+  4. the Plan: every spec widened with "R" on the pp axis, one StagePlan per stage (its units, its
+     global ranks, time per micro-batch, memory), the schedule's step time.
+
+Collectives: `Plan.collectives` lists those of the micro-batch graph, each once. At run time a
+gradient all-reduce runs once per step, after the schedule's last backward (the runtime defers it,
+passes/defer_grad_reductions.py); every other collective runs in the stage programs, once per
+micro-batch (activation resharding, ZeRO gradient reduce-scatters, the loss's), a tied parameter's
+gradient collectives on each stage that holds it. A known gap: a ZeRO-1/2 parameter gather, which
+the cost model counts once per step, is recomputed by every program that reads the parameter (a
+forward and usually the backward program of each micro-batch; passes/split_stages.py, floating nodes).
+
+Defaults: schedule "1f1b"; num_microbatches = num_stages (the least that keeps every stage busy in
+the steady state; more micro-batches shrink the bubble (p-1)/(m+p-1) but each is smaller).
+
+Interleaved 1F1B (`schedule="interleaved_1f1b"`, `virtual_stages=v`, default
+`stages.INTERLEAVE` = 2; `v` in autopar/pipeline/stages.py): the units are split into p*v chunks and
+device d holds chunks d, d+p, ... (torch's "loop" placement). `Plan.stages` then lists one StagePlan per
+chunk (its index is the chunk's, its ranks its device's, its memory the chunk's share of the device);
+`chunks_per_device(plan)` reads v back. The schedule runs whole rounds of p micro-batches: m % p == 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from autopar.costmodel.memory import parse_bytes
+from autopar.debug import PhaseTimer
+from autopar.errors import InputError, MeshError
+from autopar.mesh import Mesh
+from autopar.pipeline.stages import INTERLEAVE  # chunks per device the search prices
+from autopar.plan import NodeChoice, ParamPlacement, Plan, StagePlan
+from autopar.planning import spmd
+from autopar.planning.problem import ProblemBuilder
+from autopar.sharding import recipes
+
+PP = "pp"
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+DEFAULT_SCHEDULE = "1f1b"
+INTERLEAVED = "interleaved_1f1b"
+
+
+def pipeline_mesh(mesh: Mesh, num_stages: int | None) -> Mesh:
+    """The mesh of a pipelined plan: "pp" first. A mesh with a "pp" axis is used as is."""
+    if PP in mesh.axis_names:
+        if mesh.axis_names[0] != PP:
+            raise MeshError(f"the pipeline axis 'pp' must be the first axis of the mesh, got {mesh}")
+        if num_stages not in (None, mesh.shape[0]):
+            raise MeshError(f"num_stages={num_stages} but the mesh's pp axis has {mesh.shape[0]} devices")
+        return mesh if mesh.ndim > 1 else Mesh((mesh.shape[0], 1), (PP, "dp"), mesh.hardware, mesh.devices_per_node)
+    if not isinstance(num_stages, int) or num_stages < 2:
+        raise InputError(f"num_stages must be an int >= 2 for a pipelined plan, got {num_stages!r}")
+    if mesh.ndim != 1:
+        raise MeshError(f"num_stages={num_stages} widens a 1-D mesh; {mesh} has {mesh.ndim} axes: "
+                        "name one of them 'pp' (first) instead")
+    if mesh.size % num_stages:
+        raise MeshError(f"{mesh.size} devices do not split into {num_stages} pipeline stages")
+    return Mesh((num_stages, mesh.size // num_stages), (PP, mesh.axis_names[0]), mesh.hardware,
+                mesh.devices_per_node)
+
+
+def sub_mesh(mesh: Mesh) -> Mesh:
+    """The mesh of one stage: every axis but "pp" (the SPMD planner's mesh)."""
+    return Mesh(mesh.shape[1:], mesh.axis_names[1:], mesh.hardware, mesh.devices_per_node)
+
+
+def schedule_options(num_stages, num_microbatches, schedule, virtual_stages=None) -> tuple[int, str, int]:
+    """(micro-batch count, schedule name, chunks per device) with the documented defaults; refuses
+    unknown schedules and micro-batch counts the interleaved schedule cannot run."""
+    schedule = DEFAULT_SCHEDULE if schedule is None else schedule
+    if schedule not in SCHEDULES:
+        raise InputError(f"schedule={schedule!r}: one of {SCHEDULES}")
+    m = num_stages if num_microbatches is None else num_microbatches
+    if not isinstance(m, int) or m < 1:
+        raise InputError(f"num_microbatches must be a positive int, got {m!r}")
+    if schedule != INTERLEAVED:
+        if virtual_stages not in (None, 1):
+            raise InputError(f"virtual_stages={virtual_stages!r} applies to schedule='{INTERLEAVED}' only")
+        return m, schedule, 1
+    v = INTERLEAVE if virtual_stages is None else virtual_stages
+    if not isinstance(v, int) or v < 1:
+        raise InputError(f"virtual_stages (chunks per device) must be a positive int, got {v!r}")
+    if m % num_stages:
+        near = sorted({num_stages * max(1, m // num_stages), num_stages * (m // num_stages + 1)})
+        raise InputError(f"schedule='{INTERLEAVED}' runs whole rounds of {num_stages} micro-batches (one per "
+                         f"stage); num_microbatches={m} is not a multiple of {num_stages}: pass num_microbatches="
+                         + " or ".join(map(str, near)))
+    return m, schedule, v
+
+
+def chunks_per_device(plan: Plan) -> int:
+    """v: how many chunks (virtual stages) each pipeline device holds (1 unless interleaved)."""
+    return max(1, len(plan.stages) // plan.mesh.shape[0]) if plan.stages else 1
+
+
+def microbatch(example_inputs: tuple, m: int) -> tuple:
+    """The first of m equal micro-batches: every tensor split along dim 0 (a trailing dict too)."""
+    def cut(x):
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            return x
+        if x.shape[0] % m:
+            raise InputError(f"the batch dimension ({x.shape[0]}) of an input of shape {tuple(x.shape)} does not "
+                             f"divide into {m} micro-batches; use a batch that is a multiple of {m}")
+        return x.narrow(0, 0, x.shape[0] // m)
+    return tuple({k: cut(v) for k, v in x.items()} if isinstance(x, dict) else cut(x) for x in example_inputs)
+
+
+def plan_pipelined(model, example_inputs, *, mesh, num_stages=None, num_microbatches=None, schedule=None,
+                   virtual_stages=None, example_kwargs=None, loss_fn=None, strategy="auto", memory_budget=None,
+                   optimizer: str = "adamw", time_limit=None, baselines: bool = False) -> Plan:
+    """`autopar.plan` for a forced pipeline: capture the micro-batch graph, then plan it."""
+    from autopar.capture.canonicalize import canonicalize
+    from autopar.capture.trace import capture
+    mesh = pipeline_mesh(mesh if isinstance(mesh, Mesh) else Mesh(mesh), num_stages)
+    m, schedule, v = schedule_options(mesh.shape[0], num_microbatches, schedule, virtual_stages)
+    micro = microbatch(tuple(example_inputs), m)
+    micro_kwargs = microbatch((example_kwargs,), m)[0] if example_kwargs else example_kwargs
+    captured = capture(model, micro, example_kwargs=micro_kwargs, loss_fn=loss_fn)
+    canonicalize(captured.gm)
+    return plan_pipelined_captured(captured, model, micro, mesh=mesh, num_microbatches=m, schedule=schedule,
+                                   virtual_stages=v, strategy=strategy, memory_budget=memory_budget,
+                                   optimizer=optimizer, time_limit=time_limit, baselines=baselines)
+
+
+def plan_pipelined_captured(captured, model, micro_inputs, *, mesh: Mesh, num_microbatches: int, schedule: str,
+                            strategy="auto", memory_budget=None, optimizer: str = "adamw", time_limit=None,
+                            baselines: bool = False, timer=None, virtual_stages: int | None = None) -> Plan:
+    """A pipelined Plan for the captured MICRO-BATCH graph on `mesh` (axis 0 "pp"). The search
+    (autopar.pipeline.search) calls this once it has chosen p, m and the schedule; `virtual_stages`
+    (interleaved only) defaults to stages.INTERLEAVE, as the search prices it."""
+    from autopar.pipeline.layer_profile import layer_costs
+    from autopar.pipeline.stages import partition
+    assert mesh.axis_names[0] == PP, mesh
+    _, _, v = schedule_options(mesh.shape[0], num_microbatches, schedule, virtual_stages)
+    sub = sub_mesh(mesh)
+    budget = parse_bytes(memory_budget) if memory_budget is not None else None
+    wanted = recipes.normalize(strategy, sub)
+    spmd.check_batch_divides(wanted, sub, micro_inputs)
+    time_limit = spmd.DEFAULT_TIME_LIMIT if time_limit is None else time_limit
+    timer = timer if timer is not None else PhaseTimer()
+    with timer("strategies+costs"):   # one stage's SPMD problem on the sub-mesh
+        prob = ProblemBuilder(captured, sub, optimizer).build()
+    with timer("baselines"):
+        table, solutions = spmd.solve_baselines(prob, captured, sub, time_limit) if baselines else ({}, {})
+    with timer("solve"):              # per-op strategies (no memory row: the stage split enforces the budget)
+        sol, reason = spmd.solve_requested(prob, captured, sub, wanted, solutions, time_limit)
+    one_stage = spmd.assemble_plan(prob, captured, sub, strategy, wanted, None, sol, reason, table, timer, model,
+                             micro_inputs)
+    with timer("stages"):             # exact contiguous split of the units into p stages (p*v chunks)
+        layers = layer_costs(prob, sol.choice, captured)
+        p2p = lambda nbytes: mesh.p2p_time(nbytes, PP)  # noqa: E731
+        split = partition(layers, mesh.shape[0], num_microbatches, schedule, p2p_time=p2p, memory_budget=budget,
+                          v=v)
+    return widen(one_stage, mesh, layers, split, num_microbatches, schedule, budget, captured, v)
+
+
+def widen(one_stage: Plan, mesh: Mesh, layers, split, m: int, schedule: str, budget, captured,
+          virtual_stages: int = 1) -> Plan:
+    """The SPMD plan of one stage -> the pipelined plan: "R" on the pp axis everywhere, stages (one per
+    chunk when interleaved: chunk k on device k % p), step time."""
+    p, per_stage, chunks = mesh.shape[0], int(np.prod(mesh.shape[1:])), mesh.shape[0] * virtual_stages
+    bounds = list(split.bounds) + [len(layers)]
+    chunk_memory = (split.stage_memory if virtual_stages == 1 else
+                    _chunk_memory(layers, bounds, schedule, p, m, virtual_stages))
+    stages = tuple(StagePlan(index=k, modules=tuple(l.name for l in layers[bounds[k]:bounds[k + 1]]),
+                             ranks=tuple(range((k % p) * per_stage, (k % p + 1) * per_stage)),
+                             predicted_time=float(split.stage_times[k]), memory=float(chunk_memory[k]))
+                   for k in range(chunks))
+    R = ("R",)
+    params = {n: ParamPlacement(v.name, v.shape, R + tuple(v.use), R + tuple(v.master), R + tuple(v.grad),
+                                ("dp",) + tuple(v.modes), (False,) + tuple(v.read_sharded) if v.read_sharded else ())
+              for n, v in one_stage.params.items()}
+    nodes = {n: NodeChoice(tuple(None if o is None else R + tuple(o) for o in v.outs),
+                           tuple(None if i is None else R + tuple(i) for i in v.ins), v.module, v.phase)
+             for n, v in one_stage.nodes.items()}
+    fullest = int(np.argmax(split.stage_memory))   # a device: its chunks are fullest, fullest + p, ...
+    share = sum(l.state_bytes for k in range(fullest, chunks, p) for l in layers[bounds[k]:bounds[k + 1]]) / max(
+        sum(l.state_bytes for l in layers), 1.0)
+    state = {k: v * share for k, v in one_stage.memory_breakdown.items() if k != "activations"}
+    breakdown = {**state, "activations": max(0.0, float(split.stage_memory[fullest]) - sum(state.values()))}
+    busy = m * float(max(split.stage_times))  # the slowest stage's work; the rest of the step is bubble
+    compute_share = one_stage.predicted_compute_time / max(one_stage.predicted_step_time, 1e-30)
+    reason = one_stage.infeasible_reason or ("" if budget is None or max(split.stage_memory) <= budget else
+                                        "the fullest stage exceeds the memory budget")
+    return dataclasses.replace(
+        one_stage, mesh=mesh, recipes=(PP,) + tuple(one_stage.recipes), params=params, nodes=nodes, stages=stages,
+        schedule=schedule, num_microbatches=m, predicted_step_time=float(split.step_time),
+        predicted_compute_time=busy * compute_share, predicted_comm_time=busy * (1 - compute_share),
+        memory_per_device=float(max(split.stage_memory)), memory_breakdown=breakdown, memory_budget=budget,
+        feasible=not reason, infeasible_reason=reason, fingerprint=spmd.fingerprint(captured, mesh),
+        solver={**one_stage.solver, "bubble_fraction": float(split.bubble_fraction)})
+
+
+def _chunk_memory(layers, bounds: list[int], schedule: str, p: int, m: int, v: int) -> list[float]:
+    """Bytes per device of each interleaved chunk: its state plus its share of the device's in-flight
+    activations (`stages.partition`'s count; a device's memory is the sum over its chunks)."""
+    from autopar.pipeline.stages import in_flight
+    out = []
+    for k in range(p * v):
+        units = layers[bounds[k]:bounds[k + 1]]
+        count = in_flight(schedule, p, m, k % p, v) / v
+        out.append(sum(l.state_bytes for l in units) + count * sum(l.activation_bytes for l in units))
+    return out
+
+
+def stage_plan(plan: Plan) -> Plan:
+    """The pipelined plan as the SPMD plan of one stage (the pp axis dropped): what the passes read."""
+    params = {n: ParamPlacement(v.name, v.shape, v.use[1:], v.master[1:], v.grad[1:], v.modes[1:], v.read_sharded[1:])
+              for n, v in plan.params.items()}
+    nodes = {n: NodeChoice(tuple(None if o is None else tuple(o[1:]) for o in v.outs),
+                           tuple(None if i is None else tuple(i[1:]) for i in v.ins), v.module, v.phase)
+             for n, v in plan.nodes.items()}
+    return dataclasses.replace(plan, mesh=sub_mesh(plan.mesh), recipes=plan.recipes[1:], params=params,
+                               nodes=nodes, stages=(), schedule=None, num_microbatches=1)

@@ -1,0 +1,371 @@
+"""The pipelined program: `autoparallelize(..., num_stages=p)` -> a PipelinedModule on this rank.
+
+Every rank captures the MICRO-BATCH graph, rewrites it with the SPMD passes for its coordinates on the
+sub-mesh (every axis but "pp"), and cuts it into stage programs (`passes/split_stages.py`). It keeps
+its own stage: its parameters (DTensors on the sub-mesh, nowhere else) and a `_StageModule` whose
+forward is an autograd.Function running the stage's forward program (saving what its backward reads)
+and whose backward runs the backward program (boundary gradients in, input-activation and parameter
+gradients out). torch.distributed.pipelining's PipelineStage and ScheduleGPipe / Schedule1F1B run
+the micro-batches; an interleaved plan (p*v chunks, rank d holding chunks d, d+p, ...) builds one
+PipelineStage per chunk it holds and runs them with ScheduleInterleaved1F1B. A parameter used by
+several stages (a tied embedding) lives once on each rank that holds one of them (shared by that
+rank's chunks, whose contributions autograd sums) and its gradient is all-reduced between those
+ranks after the schedule (Megatron's embedding group).
+
+Gradient all-reduces run once per step, not once per micro-batch: `defer_grad_reductions_pass` takes
+them out of the program before the split, each stage's backward leaves those gradients Partial,
+p.grad sums them over the micro-batches, and `train_step` all-reduces them after the schedule in flat
+buckets per process group (as DDP's no_sync + one reduction; what the cost model prices). Gradient
+reduce-scatters (ZeRO) stay in every micro-batch's backward: accumulating unsharded gradients would
+cost the memory ZeRO saves.
+
+`train_step(*inputs)` returns the mean loss over the micro-batches (the full-batch loss for a mean
+loss) on every rank and leaves gradients, averaged over micro-batches, in p.grad for
+optimizer.step(). Calling the module (`pmodel(*inputs)`) is a forward-only evaluation: the loss, no
+gradients. The model must hold real tensors (a meta-device model is not materialised here yet).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from autopar.capture.canonicalize import canonicalize
+from autopar.capture.trace import capture
+from autopar.errors import InputError
+from autopar.graph import NAME, VAL
+from autopar.mesh import Mesh
+from autopar.passes import PassContext, run_passes
+from autopar.passes.context import parse_spec
+from autopar.passes.defer_grad_reductions import defer_grad_reductions_pass
+from autopar.passes.ops import start_all_reduce, wait_buckets
+from autopar.passes.split_stages import StageProgram, split_stages
+from autopar.pipeline import planning as pp
+from autopar.plan import Plan
+from autopar.planning.spmd import fingerprint
+from autopar.runtime import checkpoint
+from autopar.runtime.materialize import is_meta
+from autopar.runtime.tensors import distinct, is_unit_seed, local_slice, set_tensor
+
+SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+MULTI_STAGE = ("interleaved_1f1b",)   # schedules that take a list of this rank's PipelineStages
+
+
+def parallelize_pipelined(model: nn.Module, example_inputs: tuple, *, mesh: Mesh, plan: Plan | None,
+                          num_stages=None, num_microbatches=None, schedule=None, virtual_stages=None,
+                          example_kwargs=None, loss_fn=None, verify: bool = False, device_type: str = "cpu",
+                          device: str = "cpu", broadcast=None, mixed_precision=None, recompute=None,
+                          strategy="auto", memory_budget=None, optimizer: str = "adamw", time_limit=None,
+                          baselines: bool = False) -> "PipelinedModule":
+    """The pipelined branch of `autopar.autoparallelize` (called with the resolved mesh of the world)."""
+    if mixed_precision is not None or recompute not in (None, "none"):
+        raise InputError("mixed_precision and recompute are not supported with pipelined plans yet")
+    if is_meta(model):
+        raise InputError("a pipelined plan needs a model with real tensors (meta-device models are not "
+                         "materialised per stage yet)")
+    if plan is not None and num_stages is None:
+        num_stages = plan.mesh.shape[0]
+    mesh = plan.mesh if plan is not None else pp.pipeline_mesh(mesh, num_stages)
+    if plan is not None and virtual_stages not in (None, pp.chunks_per_device(plan)):
+        raise InputError(f"virtual_stages={virtual_stages} but the plan has {pp.chunks_per_device(plan)} chunks per "
+                         "device; drop virtual_stages or re-plan")
+    m, schedule, v = pp.schedule_options(mesh.shape[0], num_microbatches or (plan.num_microbatches if plan else None),
+                                schedule or (plan.schedule if plan else None),
+                                virtual_stages or (pp.chunks_per_device(plan) if plan else None))
+    micro = pp.microbatch(tuple(example_inputs), m)
+    micro_kwargs = pp.microbatch((example_kwargs,), m)[0] if example_kwargs else example_kwargs
+    captured = capture(model, micro, example_kwargs=micro_kwargs, loss_fn=loss_fn)
+    canonicalize(captured.gm)
+    if plan is None:
+        plan = broadcast(lambda: pp.plan_pipelined_captured(captured, model, micro, mesh=mesh, num_microbatches=m,
+                                                            schedule=schedule, virtual_stages=v, strategy=strategy,
+                                                            memory_budget=memory_budget, optimizer=optimizer,
+                                                            time_limit=time_limit, baselines=baselines))
+    plan.check_matches(fingerprint(captured, mesh), mesh)
+    device_mesh = init_device_mesh(device_type, tuple(mesh.shape), mesh_dim_names=tuple(mesh.axis_names))
+    sub_dm = device_mesh[tuple(mesh.axis_names[1:])]
+    coords = tuple(device_mesh.get_coordinate())
+    stage_plan = pp.stage_plan(plan)
+    ctx = PassContext(stage_plan, tuple(mesh.shape[1:]), coords=coords[1:],
+                      group_names=tuple(sub_dm.get_group(a).group_name for a in range(mesh.ndim - 1)),
+                      grad_names=tuple(captured.grad_param_names), device=device,
+                      disabled=frozenset({"bucket_collectives"}))  # a bucket must not mix two stages' grads
+    gm = run_passes(captured.gm, ctx, verify=verify)
+    gm = defer_grad_reductions_pass(gm, ctx)   # gradient all-reduces: once per step, in train_step
+    units = [list(s.modules) for s in plan.stages]
+    programs = split_stages(gm, units, [u for s in units for u in s], list(captured.grad_param_names))
+    return PipelinedModule(model, captured, plan, programs, device_mesh, sub_dm, coords, stage_plan, device)
+
+
+class _StageFn(torch.autograd.Function):
+    """One stage on one micro-batch: the forward program now, the backward program in backward."""
+
+    @staticmethod
+    def forward(fctx, stage, num_params, *args):
+        prog = stage.program
+        env = stage.state_env(args[:num_params])
+        env.update({("input", n): x for n, x in zip(prog.inputs, args[num_params:])})
+        with torch.no_grad():
+            outs = prog.forward(*[env[k] for k in prog.forward_args])
+        n_out = 1 if stage.is_last else len(prog.outputs)
+        fctx.stage, fctx.locals, fctx.num_inputs = stage, args[:num_params], len(args) - num_params
+        fctx.saved = outs[n_out:]
+        results = [o.detach().clone() if any(o is a for a in args) else o for o in outs[:n_out]]
+        fctx.like = results
+        names = ["<loss>"] if stage.is_last else prog.outputs
+        fctx.mark_non_differentiable(*[r for r, n in zip(results, names)
+                                       if n != "<loss>" and not prog.differentiable[n]])
+        return results[0] if stage.is_last else tuple(results)
+
+    @staticmethod
+    def backward(fctx, *grads):
+        stage = fctx.stage
+        prog = stage.program
+        env = stage.state_env(fctx.locals)
+        env.update({("saved", i): v for i, v in enumerate(fctx.saved)})
+        if not stage.is_last:
+            for name, g, like in zip(prog.outputs, grads, fctx.like):
+                g = torch.zeros_like(like) if g is None else g
+                env[("grad", name)] = stage.relayout(g, prog, name, to_grad=True)
+        outs = prog.backward(*[env[k] for k in prog.backward_args])
+        scale = grads[0] if stage.is_last and not is_unit_seed(grads[0]) else None
+        outs = [o if o is None or scale is None else o * scale for o in outs]
+        by_param = dict(zip(prog.grad_params, outs))
+        by_input = dict(zip(prog.input_grads, outs[len(prog.grad_params):]))
+        param_grads = [by_param.get(n) for n in stage.param_names]
+        input_grads = [None if by_input.get(n) is None else stage.relayout(by_input[n], prog, n, to_grad=False)
+                       for n in prog.inputs]
+        fctx.saved = fctx.locals = None
+        return (None, None, *distinct(param_grads), *input_grads)
+
+
+class _StageModule(nn.Module):
+    """What PipelineStage runs: forward(*boundary inputs) -> boundary outputs (the last stage: the loss)."""
+
+    def __init__(self, program: StageProgram, params: dict, buffers: dict, is_last: bool, mesh):
+        super().__init__()
+        self.program, self.is_last, self._is_last = program, is_last, is_last
+        object.__setattr__(self, "mesh", mesh)
+        self.param_names = [n for n in program.params if n in params]
+        for i, n in enumerate(self.param_names):
+            self.register_parameter(f"p{i}", params[n])
+        self._buffers_by_name = buffers
+
+    def state_env(self, locals_) -> dict:
+        env = {("param", n): t for n, t in zip(self.param_names, locals_)}
+        env.update({("buffer", n): b.to_local() for n, b in self._buffers_by_name.items()})
+        return env
+
+    def relayout(self, g: torch.Tensor, prog: StageProgram, name: str, to_grad: bool) -> torch.Tensor:
+        """A boundary gradient between the value's layout (what PipelineStage sends and checks) and the
+        layout the backward program makes and reads (`StageProgram.grad_specs`), by DTensor redistribute."""
+        if name not in prog.grad_specs:
+            return g
+        shape, _, value_spec = prog.values[name]
+        src, dst = (value_spec, prog.grad_specs[name]) if to_grad else (prog.grad_specs[name], value_spec)
+        dt = DTensor.from_local(g, self.mesh, list(src), run_check=False, shape=torch.Size(shape),
+                                stride=torch.empty(shape, device="meta").stride())
+        return dt.redistribute(self.mesh, list(dst)).to_local().contiguous()
+
+    def forward(self, *inputs):
+        locals_ = [getattr(self, f"p{i}").to_local() for i in range(len(self.param_names))]
+        return _StageFn.apply(self, len(locals_), *locals_, *inputs)
+
+
+class PipelinedModule(nn.Module):
+    """This rank's stages of a pipelined plan (one, or v chunks when interleaved): `.train_step(*inputs)
+    -> loss`, `pmodel(*inputs)` (eval), `.plan`, `.full_state_dict()`. Only this rank's parameters are
+    registered, each once (optimizers see them)."""
+
+    def __init__(self, model, captured, plan: Plan, programs: list[StageProgram], device_mesh, sub_dm, coords,
+                 stage_plan: Plan, device: str):
+        super().__init__()
+        self.plan = plan
+        checkpoint.register_hooks(self)  # strided shards leave state_dict() as plain shards (DCP-savable)
+        object.__setattr__(self, "device_mesh", device_mesh)
+        object.__setattr__(self, "sub_mesh", sub_dm)
+        self._pp_rank, self._num_ranks = coords[0], plan.mesh.shape[0]
+        self._chunks = list(range(self._pp_rank, len(programs), self._num_ranks))   # chunks d, d+p, ...
+        self._per_stage = device_mesh.size() // self._num_ranks
+        self._m, self._device, self._tied = plan.num_microbatches, torch.device(device), dict(captured.tied)
+        self._input_names = list(captured.input_names)
+        inputs = captured.placeholders("input")
+        self._input_specs = [parse_spec(stage_plan.nodes[n.name].outs[0]) for n in inputs]
+        self._input_shapes = [(int(n.meta[VAL].shape[0]) * self._m, *n.meta[VAL].shape[1:]) for n in inputs]
+        self._coords = coords[1:]
+        params, buffers = self._distribute(model, captured, [programs[k] for k in self._chunks], stage_plan)
+        last = len(programs) - 1
+        object.__setattr__(self, "_stages", [_StageModule(programs[k], params, buffers, k == last, sub_dm)
+                                             for k in self._chunks])
+        self._shared = _shared_groups(programs, self._pp_rank, self._num_ranks, self._per_stage, coords[1:], sub_dm)
+        self._deferred = _deferred_by_axis([programs[k] for k in self._chunks])
+        pipes = [self._pipeline_stage(programs[k], mod, k, len(programs), sub_dm)
+                 for k, mod in zip(self._chunks, self._stages)]
+        # scale_grads=False: train_step divides each gradient by m once (torch scales per stage, which
+        # would divide a parameter shared by two chunks of this rank twice)
+        schedule = SCHEDULE_CLASSES[plan.schedule](pipes if plan.schedule in MULTI_STAGE else pipes[0], self._m,
+                                                   loss_fn=_loss_is_output, scale_grads=False)
+        object.__setattr__(self, "_schedule", schedule)
+
+    def _distribute(self, model, captured, programs: list[StageProgram], stage_plan: Plan) -> tuple[dict, dict]:
+        """This rank's parameters and buffers (those its programs read), each distributed once."""
+        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        params, buffers = {}, {}
+        for name in sorted({n for prog in programs for n in prog.params}):
+            spec = list(parse_spec(stage_plan.params[name].master))
+            dt = distribute_tensor(tensors[name].detach(), self.sub_mesh, spec)
+            params[name] = nn.Parameter(dt, requires_grad=tensors[name].requires_grad)
+            set_tensor(self, name, params[name], param=True)
+        buffer_specs = {n.meta[NAME]: n.name for n in captured.placeholders("buffer")}
+        for name in sorted({n for prog in programs for n in prog.buffers}):
+            spec = list(parse_spec(stage_plan.nodes[buffer_specs[name]].outs[0]))
+            buffers[name] = distribute_tensor(tensors[name].detach(), self.sub_mesh, spec)
+            set_tensor(self, name, buffers[name], param=False)
+        return params, buffers
+
+    def _pipeline_stage(self, program: StageProgram, module, index: int, num_chunks: int, sub_dm) -> PipelineStage:
+        ins = _examples(program, program.inputs, sub_dm, self._device)
+        outs = _examples(program, program.outputs, sub_dm, self._device)
+        if module._is_last:
+            outs = (torch.empty((), device=self._device, requires_grad=True),)
+        return PipelineStage(module, index, num_chunks, self._device, input_args=ins, output_args=outs,
+                             group=self.device_mesh.get_group(0))
+
+    # ------------------------------------------------------------------ running
+    def _stage_inputs(self, inputs: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """Stage 0's arguments: each input cut into micro-batches, this rank's slice of each, re-joined
+        along dim 0 (the schedule cuts them again into the same micro-batches)."""
+        inputs = tuple(inputs) + tuple(kwargs[n] for n in self._input_names[len(inputs):] if n in kwargs)
+        if len(inputs) != len(self._input_shapes):
+            raise InputError(f"expected {len(self._input_shapes)} inputs ({', '.join(self._input_names)}), "
+                             f"got {len(inputs)}")
+        out = []
+        for name, x, shape, spec in zip(self._input_names, inputs, self._input_shapes, self._input_specs):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(shape):
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise InputError(f"input {name!r} has shape {got} but the plan was made for {tuple(shape)} "
+                                 f"({self._m} micro-batches); re-plan for the new shape")
+            parts = [local_slice(c, spec, self._coords, tuple(self.sub_mesh.shape)) for c in x.chunk(self._m)]
+            out.append(torch.cat(parts).contiguous().to(self._device))
+        return out
+
+    def _run(self, inputs: tuple, kwargs: dict, train: bool) -> torch.Tensor:
+        args = self._stage_inputs(inputs, kwargs) if self._pp_rank == 0 else []
+        last = self._pp_rank == self._num_ranks - 1   # the last chunk's rank (chunk p*v - 1 is on rank p - 1)
+        losses: list = []
+        extra = dict(target=torch.zeros(self._m), losses=losses, return_outputs=False) if last else {}
+        (self._schedule.step if train else self._schedule.eval)(*args, **extra)
+        if train:   # before the world-wide broadcast: a stage that drains early reduces while others finish
+            self._reduce_deferred()
+        loss = torch.stack([x.detach() for x in losses]).mean() if last else torch.zeros(())
+        dist.broadcast(loss, src=(self._num_ranks - 1) * self._per_stage)  # one source for the whole world
+        return loss
+
+    def train_step(self, *inputs, **kwargs) -> torch.Tensor:
+        """Forward and backward of every micro-batch: returns the mean loss (same on every rank);
+        gradients (micro-batch mean, shared parameters summed across their stages) are added to p.grad,
+        as `loss.backward()` adds them (call `optimizer.zero_grad()` between steps unless accumulating)."""
+        earlier = {}   # gradients of earlier calls: the schedule sums micro-batches into p.grad, then scales
+        for name, param in self.named_parameters():
+            if param.grad is not None:
+                earlier[name], param.grad = param.grad, None
+        loss = self._run(inputs, kwargs, train=True)
+        for param in self.parameters():
+            if param.grad is not None:
+                param.grad.div_(self._m)   # the mean over micro-batches
+        for name, group in self._shared:
+            grad = self.get_parameter(name).grad
+            if grad is not None:
+                dist.all_reduce(grad.to_local(), group=group)
+        for name, grad in earlier.items():
+            param = self.get_parameter(name)
+            param.grad = grad if param.grad is None else grad.add_(param.grad)
+        return loss
+
+    def _reduce_deferred(self) -> None:
+        """The gradient all-reduces the stage programs left out (passes/defer_grad_reductions.py), once per
+        step on the micro-batches' summed partial gradients: per mesh axis, one bucketed all-reduce per
+        process group (25 MB flat buckets, passes/ops.py), axis after axis (a gradient reduced on two)."""
+        for axis, groups in self._deferred:
+            pending = []
+            for group, names in groups:
+                grads = [self.get_parameter(n).grad.to_local() for n in names]
+                pending.append((grads, start_all_reduce(grads, "sum", group)))
+            for grads, flight in pending:
+                for g, summed in zip(grads, wait_buckets(flight)):
+                    g.copy_(summed)
+
+    def forward(self, *inputs, **kwargs) -> torch.Tensor:
+        """Forward-only evaluation of every micro-batch: the mean loss, no gradients."""
+        with torch.no_grad():
+            return self._run(inputs, kwargs, train=False)
+
+    # ------------------------------------------------------------------ state
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every stage's parameters and buffers, unsharded, under the model's names (tied names too)."""
+        mine = {}
+        for name, t in sorted([*self.named_parameters(), *self.named_buffers()]):
+            mine[name] = t.full_tensor().detach()
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        out = {}
+        for part in everyone:
+            out.update(part)
+        for name, aliases in self._tied.items():
+            for alias in aliases:
+                out[alias] = out[name]
+        return out
+
+
+def _examples(program: StageProgram, names: list[str], sub_dm, device) -> tuple:
+    """Empty tensors of the local shape and dtype of boundary values: PipelineStage's static metadata
+    (its dynamic inference runs a stage on uninitialised buffers, which index ops cannot take)."""
+    from autopar.placement import local_shape
+    out = []
+    for name in names:
+        shape, dtype, spec = program.values[name]
+        local = local_shape(spec, shape, tuple(sub_dm.shape)) if spec is not None else shape
+        t = torch.empty(local, dtype=dtype, device=device)
+        out.append(t.requires_grad_(True) if program.differentiable[name] else t)
+    return tuple(out)
+
+
+def _loss_is_output(output, target):
+    return output
+
+
+def _flat(coords, sub_dm) -> int:
+    index = 0
+    for c, n in zip(coords, sub_dm.shape):
+        index = index * n + c
+    return index
+
+
+def _deferred_by_axis(programs: list[StageProgram]) -> list[tuple[int, list[tuple[str, list[str]]]]]:
+    """[(axis, [(group name, parameter names)])], axes and names sorted: the deferred gradient all-reduces
+    of this rank's chunks (a parameter two chunks share, once), in an order every rank of a group shares."""
+    by_axis: dict[int, dict[str, set[str]]] = {}
+    for prog in programs:
+        for d in prog.deferred:
+            by_axis.setdefault(d["axis_index"], {}).setdefault(d["group"], set()).add(d["param"])
+    return [(axis, [(g, sorted(names)) for g, names in sorted(by_axis[axis].items())]) for axis in sorted(by_axis)]
+
+
+def _shared_groups(programs, pp_rank: int, num_ranks: int, per_stage: int, coords, sub_dm) -> list:
+    """(param, process group of its copies at this sub-mesh coordinate) for each parameter that chunks
+    on several pipeline ranks share (chunk k runs on rank k % num_ranks; chunks of one rank share one
+    copy). Every rank creates every group, in the same order (new_group's rule)."""
+    owners: dict[str, set[int]] = {}
+    for prog in programs:
+        for name in prog.shared_params:
+            owners.setdefault(name, set()).add(prog.index % num_ranks)
+    mine, index = [], _flat(coords, sub_dm)
+    for name in sorted(n for n, ranks in owners.items() if len(ranks) > 1):
+        for j in range(per_stage):
+            group = dist.new_group([k * per_stage + j for k in sorted(owners[name])])
+            if j == index and pp_rank in owners[name]:
+                mine.append((name, group))
+    return mine

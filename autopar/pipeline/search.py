@@ -1,0 +1,359 @@
+"""Search pipeline x data x tensor parallel meshes (3D parallelism) for the fastest plan that fits.
+
+For N devices the search enumerates every (pp, dp, tp) with pp*dp*tp = N and tp inside one node
+(`stages.mesh_factorizations`; the mesh is laid out (pp, dp, tp), tp innermost, so only pp or dp
+cross the slow inter-node link), every micro-batch count m dividing the batch (by default
+m in {pp, 2pp, 4pp}; m = 1 or gradient accumulation for pp = 1) with dp dividing the
+micro-batch, and every schedule. Each candidate is priced in three steps:
+  1. the micro-batch graph (inputs split along dim 0) is planned by the SPMD solver on the (dp, tp)
+     sub-mesh: layer stamping at capture, no baselines, identical layers solved once;
+  2. `layer_profile.layer_costs` turns that plan into per-unit seconds and bytes;
+  3. `stages.partition` splits the units into pp stages exactly for the schedule, under the budget.
+Steps 1-2 depend on (micro-batch size, dp, tp) only, not on pp or the schedule: they are cached and
+reused across every pp value, which is exact. If no split fits, the SPMD plan is re-solved with a
+memory row of pp * budget, then half of that, before the candidate is called infeasible
+(`autopar.pipeline.candidates`, which also holds the branch and bound).
+Before any capture, a model whose parameters, gradients and optimizer state exceed the budget even
+sharded over all N devices is refused (InfeasiblePlanError with that floor).
+Branch and bound (`candidates.branch_and_bound`, on by default) keeps the search exact while
+skipping SPMD solves: a candidate is priced only if a lower bound of its step time is within the k-th
+fastest found so far (k = `exact_top`). `prune=False` prices every candidate (tests compare the two).
+A forced `strategy` per sub-mesh axis turns the same machinery into the hand-written recipes
+(DP, ZeRO, Megatron TP, PP x DP, FSDP x TP x PP) that benchmarks/plan_quality.py compares against.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from autopar import _torch_compat as compat
+from autopar.capture.canonicalize import canonicalize
+from autopar.capture.trace import capture
+from autopar.costmodel.memory import format_bytes, optimizer_state_bytes_per_param, parse_bytes
+from autopar.errors import InfeasiblePlanError, InputError
+from autopar.mesh import Mesh
+from autopar.pipeline import planning as pipelined
+from autopar.pipeline.candidates import Candidate, branch_and_bound, price
+from autopar.pipeline.layer_profile import layer_costs, unit_names
+from autopar.pipeline.stages import INTERLEAVE, SCHEDULES, LayerCost, mesh_factorizations
+from autopar.planning import spmd
+from autopar.planning.costgraph import CostGraph, CostNode
+from autopar.planning.forest_bound import forest_lower_bound, spanning_forest
+from autopar.planning.problem import ProblemBuilder
+from autopar.planning.reshard import ReshardCost
+from autopar.planning.solver import solve
+from autopar.sharding import recipes
+
+DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PROBLEMS_KEPT = 2         # SPMD Problems a Profiler keeps for re-solving under other memory rows
+# Relative gap at which the search's SPMD solves stop (the plan the search returns is solved again at
+# the planner's own gap). With a memory row, a 2-D sub-mesh's ILP (Llama-70B, dp32 x tp8, ~170k
+# variables) has a root LP 0.2-0.3% under its optimum; HiGHS spends 40-150 s CPU closing that last
+# fraction (cuts, sub-MIPs, restarts) and ~10 s stopping within 0.5%. Every candidate's step time is
+# still the exact price of the plan found; only the choice among near-equal plans may differ.
+SEARCH_GAP = 5e-3
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The best candidate, every candidate priced (fastest feasible first) and the best's inputs."""
+    best: Candidate
+    candidates: tuple[Candidate, ...]
+    mesh: Mesh                            # ("pp", then sub_mesh's axes): (pp, dp, tp) without size-1 dp/tp
+    sub_mesh: Mesh                        # the SPMD mesh of the micro-batch graph
+    layers: tuple[LayerCost, ...]         # the best candidate's unit profile
+    captured: object = field(default=None, repr=False)   # the best's micro-batch graph (Captured)
+    microbatch_inputs: tuple = field(default=(), repr=False)
+
+    def runners_up(self, k: int = 5) -> list[dict]:
+        return [c.as_dict() for c in self.candidates[1:k + 1]]
+
+    def baseline_table(self, k: int = 5) -> dict[str, dict]:
+        """The best k candidates in Plan.baselines' format: label -> {"feasible", "time", "memory", "reason"}."""
+        return {f"pp{c.pp} dp{c.dp} tp{c.tp} m{c.num_microbatches} {c.schedule}":
+                {"feasible": c.feasible, "time": c.step_time, "memory": c.memory_per_device, "reason": c.reason}
+                for c in self.candidates[:k]}
+
+
+def split_inputs(example_inputs, m: int):
+    """The first of m micro-batches: every tensor whose dim 0 is the batch, sliced along dim 0."""
+    batch = batch_size(example_inputs)
+    if batch % m:
+        raise InputError(f"{m} micro-batches do not divide the batch of {batch}")
+
+    def cut(x):
+        if isinstance(x, dict):
+            return {k: cut(v) for k, v in x.items()}
+        if isinstance(x, (tuple, list)):
+            return type(x)(cut(v) for v in x)
+        if hasattr(x, "shape") and getattr(x, "dim", lambda: 0)() > 0 and x.shape[0] == batch:
+            return x[: batch // m]
+        return x
+    return cut(tuple(example_inputs))
+
+
+def batch_size(example_inputs) -> int:
+    for x in example_inputs:
+        items = x.values() if isinstance(x, dict) else [x]
+        for t in items:
+            if hasattr(t, "shape") and t.dim() > 0:
+                return int(t.shape[0])
+    raise InputError("no tensor input with a batch dimension to split into micro-batches")
+
+
+def microbatch_counts(batch: int, pp: int, dp: int, requested=None) -> list[int]:
+    """Micro-batch counts to try: those requested, else {pp, 2pp, 4pp} (pp = 1: 1, 2, 4); each must
+    divide the batch with dp dividing the micro-batch."""
+    wanted = [requested] if isinstance(requested, int) else requested or [pp, 2 * pp, 4 * pp]
+    return sorted({m for m in wanted if m >= 1 and batch % m == 0 and (batch // m) % dp == 0})
+
+
+class Profiler:
+    """Captures (per micro-batch size) and unit profiles (per size, dp, tp, memory row), cached."""
+
+    def __init__(self, model, example_inputs, hardware, devices_per_node: int, optimizer: str = "adamw",
+                 loss_fn=None, time_limit: float | None = None):
+        self.model, self.inputs, self.loss_fn = model, example_inputs, loss_fn
+        self.hardware, self.dpn, self.optimizer, self.time_limit = hardware, devices_per_node, optimizer, time_limit
+        self.captures: dict[int, tuple] = {}
+        self.profiles: dict[tuple, tuple[LayerCost, ...] | InfeasiblePlanError] = {}
+        self.problems: dict[tuple, object] = {}            # insertion-ordered: the oldest is dropped first
+        self.floors: dict[int, tuple[float, float, int]] = {}   # (per micro-batch, per step, units)
+        self.forests: dict = {}                             # the spanning forest of the last CostProblem bounded
+        self.reshards: dict[tuple, ReshardCost] = {}        # layout pricing per sub-mesh, shared by every build
+        self.weighted: dict[tuple, tuple] = {}              # (CostProblem key, weight) -> (CostProblem, CostGraph, cache)
+
+    def captured(self, m: int):
+        if m not in self.captures:
+            inputs = split_inputs(self.inputs, m)
+            with compat.lazy_recompile():   # the graph is costed, not run: no code generation per rewrite
+                cap = capture(self.model, inputs, loss_fn=self.loss_fn, stamp_layers=True)
+                canonicalize(cap.gm)
+            self.captures[m] = (cap, inputs)
+        return self.captures[m]
+
+    def sub_mesh(self, dp: int, tp: int) -> Mesh:
+        axes = [(n, s) for n, s in (("dp", dp), ("tp", tp)) if s > 1] or [("dp", 1)]
+        return Mesh(tuple(s for _, s in axes), tuple(n for n, _ in axes), self.hardware, self.dpn)
+
+    def problem(self, m: int, dp: int, tp: int, strategy=None):
+        """The SPMD CostProblem of the micro-batch graph (batch / m) on the (dp, tp) sub-mesh, `strategy`
+        forced; built once and kept while its memory rows are solved (the last PROBLEMS_KEPT)."""
+        key = (m, *self._inner(dp, tp, strategy))
+        if key not in self.problems:
+            cap, _ = self.captured(m)
+            mesh = self.sub_mesh(dp, tp)
+            allowed = None
+            if strategy:
+                wanted = recipes.normalize({a: r for a, r in strategy.items() if a in mesh.axis_names}, mesh)
+                allowed = recipes.restriction(cap.gm, wanted, tuple(mesh.shape))
+            self.problems[key] = self._builder(cap, mesh).build(allowed)
+            while len(self.problems) > PROBLEMS_KEPT:
+                self.problems.pop(next(iter(self.problems)))
+        return self.problems[key]
+
+    def _builder(self, cap, mesh: Mesh) -> ProblemBuilder:
+        """A ProblemBuilder whose layout pricing (`reshard.ReshardCost`, a pure function of the mesh and
+        hardware) is shared with every earlier build on the same mesh: other micro-batch sizes and
+        forced recipes price the same (spec, spec, bytes) copies again."""
+        builder = ProblemBuilder(cap, mesh, self.optimizer)
+        key = (tuple(mesh.shape), mesh.axis_names)
+        builder.reshard = self.reshards.setdefault(key, builder.reshard)
+        return builder
+
+    @staticmethod
+    def _inner(dp: int, tp: int, strategy) -> tuple:
+        inner = dp * tp if min(dp, tp) == 1 and strategy is None else (dp, tp)
+        return inner, repr(sorted(strategy.items())) if strategy else None
+
+    def layers(self, m: int, dp: int, tp: int, budget: float | None, strategy=None,
+               act_weight: float = 1.0) -> tuple[LayerCost, ...]:
+        """The unit profile of the micro-batch graph (batch / m) planned on the (dp, tp) sub-mesh with
+        `strategy` (None: auto; else {"dp": recipe, "tp": recipe} as in autopar.plan). Raises
+        InfeasiblePlanError when the SPMD plan cannot fit the memory row `budget`, in which
+        activations count `act_weight` times (micro-batches in flight, `candidates.price`)."""
+        act_weight = act_weight if budget is not None else 1.0
+        key = (m, *self._inner(dp, tp, strategy), budget, act_weight)
+        if key not in self.profiles:
+            prob = self.problem(m, dp, tp, strategy)
+            cap, _ = self.captured(m)
+            cg, cache = self._weighted(prob, (m, *self._inner(dp, tp, strategy)), act_weight)
+            cg.memory_budget = budget
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    sol = solve(cg, dedup_layers=bool(cg.layer_groups), cache=cache,
+                                time_limit=self.time_limit, mip_gap=SEARCH_GAP)
+                self.profiles[key] = tuple(layer_costs(prob, sol.choice, cap))
+            except InfeasiblePlanError as e:
+                self.profiles[key] = e
+        found = self.profiles[key]
+        if isinstance(found, InfeasiblePlanError):
+            raise found
+        return found
+
+    def _weighted(self, prob, key: tuple, w: float):
+        """(cost graph, solver cache) of `prob` with each node's activation bytes counted w times (the
+        same graph and cache for w = 1); kept while the CostProblem is (a cache per weight: the layer
+        quotient and the least-memory relaxation depend on the memory vector)."""
+        if w == 1.0:
+            return prob.cg, prob.solver_cache
+        found = self.weighted.get((key, w))
+        if found is None or found[0] is not prob:
+            nodes = []
+            for nd, mem in zip(prob.cg.nodes, prob.memory):
+                assert len(mem["activations"]) == len(nd.memory), "cost-graph node and CostProblem memory disagree"
+                nodes.append(CostNode(nd.name, nd.time, np.asarray(nd.memory) + (w - 1.0) * mem["activations"]))
+            cg = CostGraph(nodes, prob.cg.edges, None, prob.cg.memory_offset, prob.cg.layer_groups)
+            self.weighted = {k: v for k, v in self.weighted.items() if any(v[0] is p for p in self.problems.values())}
+            found = self.weighted[key, w] = (prob, cg, {})
+        return found[1], found[2]
+
+    def forest_bound(self, m: int, dp: int, tp: int, strategy, pp: int, schedule: str) -> float:
+        """`stages.step_lower_bound`'s objective f * (per micro-batch) + (per step) / pp, bounded from below
+        by the spanning-forest relaxation of the (m, dp, tp) CostProblem (`autopar.planning.forest_bound`): op nodes
+        and data edges weigh f, parameters and gradient edges 1 / pp (`layer_costs` files a gradient's
+        all-reduce per step, its ZeRO reduce-scatter per micro-batch: 1 / pp <= f bounds both)."""
+        prob = self.problem(m, dp, tp, strategy)
+        key = (m, *self._inner(dp, tp, strategy))
+        if self.forests.get("key") != key:
+            self.forests = {"key": key, "forest": spanning_forest(prob.cg)}
+        v = INTERLEAVE if schedule == "interleaved_1f1b" else 1
+        f, once = 1 / v + (m - 1 / v) / pp, 1 / pp
+        nodes = [once if n.op == "placeholder" else f for n in prob.nodes]
+        edges = [once if e.kind == "grad" else f for e in prob.edges]
+        return forest_lower_bound(prob.cg, nodes, edges, self.forests["forest"])
+
+    def one_device_seconds(self, m: int) -> tuple[float, float]:
+        """(per micro-batch, per step) seconds of the micro-batch graph on one device: its ops and
+        its parameters' optimizer steps. On k devices no op or parameter costs less than 1/k of
+        this (`step_lower_bound`), so these bound every layout of this micro-batch size from below."""
+        if m not in self.floors:
+            cap, _ = self.captured(m)
+            prob = self._builder(cap, Mesh((1,), ("dp",), self.hardware, self.dpn)).build()
+            seconds = [float(np.min(c + lc)) for c, lc in zip(prob.compute, prob.local_comm)]
+            step = sum(t for t, n in zip(seconds, prob.nodes) if n.op == "placeholder")
+            self.floors[m] = (sum(seconds) - step, step, len(set(unit_names(prob)[1])))
+        return self.floors[m][:2]
+
+    def num_units(self, m: int) -> int:
+        """How many units (`layer_costs`) the micro-batch graph has: the same for every micro-batch
+        size and sub-mesh (the units are the model's modules)."""
+        self.one_device_seconds(m)
+        return self.floors[m][2]
+
+
+def search(model, example_inputs, *, mesh: Mesh, memory_budget=None, schedules=DEFAULT_SCHEDULES,
+           num_microbatches=None, num_stages=None, optimizer: str = "adamw", loss_fn=None,
+           time_limit: float | None = None, meshes=None, strategy=None, profiler: Profiler | None = None,
+           accumulate: bool = True, prune: bool = True, exact_top: int = 1) -> SearchResult:
+    """The fastest (pp, dp, tp, micro-batches, schedule) for `mesh.size` devices of `mesh.hardware`
+    under `memory_budget` bytes per device (int or "80GB"). `num_microbatches` / `num_stages` (an
+    int or a list) and `meshes` (a list of (pp, dp, tp)) restrict the search; `strategy` forces the
+    SPMD recipe per sub-mesh axis ({"dp": "zero3", "tp": "tp"}: hand-written 3D recipes); a
+    `profiler` from an earlier search of the same model and hardware reuses its captures and plans.
+    `accumulate=False` leaves out gradient accumulation (one stage, several micro-batches).
+    `prune` (branch and bound, see `candidates.branch_and_bound`) skips candidates that provably
+    cannot be among the `exact_top` fastest; `prune=False` prices every one (the result's best is the same).
+    Raises InfeasiblePlanError with the least memory any candidate needs when none fits."""
+    for s in schedules:
+        if s not in SCHEDULES:
+            raise InputError(f"unknown pipeline schedule {s!r}; valid: {SCHEDULES}")
+    budget = parse_bytes(memory_budget) if memory_budget is not None else None
+    _check_state_fits(model, mesh.size, budget, optimizer)
+    prof = profiler or Profiler(model, example_inputs, mesh.hardware, mesh.devices_per_node, optimizer, loss_fn,
+                                time_limit)
+    batch = batch_size(example_inputs)
+    stages_wanted = [num_stages] if isinstance(num_stages, int) else num_stages
+    jobs = []   # (pp, dp, tp, m, schedules) in enumeration order
+    seen = set()
+    for pp, dp, tp in mesh_factorizations(mesh.size, mesh.devices_per_node):
+        # a 1-D sub-mesh is the same whichever name it carries (auto splits what it likes): price it once
+        inner = (pp, dp * tp) if min(dp, tp) == 1 and strategy is None else (pp, dp, tp)
+        if (stages_wanted and pp not in stages_wanted) or (meshes and (pp, dp, tp) not in meshes) or inner in seen:
+            continue
+        seen.add(inner)
+        for m in microbatch_counts(batch, pp, dp, num_microbatches):
+            if pp == 1 and m > 1 and not accumulate:
+                continue
+            names = schedules if pp > 1 else ("1f1b",)   # one stage: every schedule is accumulation
+            jobs.append((pp, dp, tp, m, tuple(names)))
+    if jobs:   # a stage holds whole units: `price` finds no split into more stages than units
+        units = prof.num_units(jobs[0][3])
+        jobs = [job for job in jobs if job[0] <= units]
+    found = branch_and_bound(prof, jobs, budget, strategy, exact_top) if prune else \
+        [c for job in jobs for c in price(prof, *job, budget, strategy)]
+    if not found:
+        raise InputError(f"no (pp, dp, tp, micro-batch) candidate for {mesh.size} devices and batch {batch}: "
+                         "the batch must divide into micro-batches that the data-parallel axis can split")
+    rank = {(pp, dp, tp, m, s): i for i, (pp, dp, tp, m, names) in enumerate(jobs) for s in names}
+    found.sort(key=lambda c: (not c.feasible, c.step_time if c.feasible else c.memory_per_device,
+                              rank[c.pp, c.dp, c.tp, c.num_microbatches, c.schedule]))
+    best = found[0]
+    if not best.feasible:
+        need = min(c.memory_per_device for c in found)
+        raise InfeasiblePlanError(
+            f"no pipeline x data x tensor parallel plan of {mesh.size} devices fits {format_bytes(budget)} per "
+            f"device; the least any needs is {format_bytes(need)}", min_memory_per_device=need, budget=budget)
+    cap, inputs = prof.captured(best.num_microbatches)
+    sub = prof.sub_mesh(best.dp, best.tp)
+    full = Mesh((best.pp, *sub.shape), ("pp", *sub.axis_names), mesh.hardware, mesh.devices_per_node)
+    return SearchResult(best, tuple(found), full, sub,
+                        prof.layers(best.num_microbatches, best.dp, best.tp, best.inner_budget, strategy,
+                                    best.inner_weight), cap, inputs)
+
+
+def state_floor(model, world: int, optimizer: str = "adamw") -> float:
+    """Bytes per device of parameters + gradients + optimizer state sharded evenly over every device:
+    no plan of `world` devices needs less (activations come on top)."""
+    opt = optimizer_state_bytes_per_param(optimizer, torch.float32)
+    total = 0.0
+    for p in model.parameters():  # tied parameters are listed once
+        total += p.numel() * (p.element_size() + ((p.element_size() + opt) if p.requires_grad else 0.0))
+    return total / world
+
+
+def _check_state_fits(model, world: int, budget: float | None, optimizer: str) -> None:
+    """Fail fast (before any capture) when even fully sharded state exceeds the budget."""
+    floor = state_floor(model, world, optimizer)
+    if budget is not None and floor > budget:
+        raise InfeasiblePlanError(
+            f"the model's parameters, gradients and {optimizer} state need {format_bytes(floor)} per device even "
+            f"sharded over all {world} devices; the budget is {format_bytes(budget)}: use more devices",
+            min_memory_per_device=floor, budget=budget)
+
+
+def to_plan(result: SearchResult, model, *, memory_budget=None, optimizer: str = "adamw", time_limit=None):
+    """The Plan of the search's best candidate: the SPMD plan when it has one stage and one
+    micro-batch, else `pipelined.plan_pipelined_captured` on the (pp, ...) mesh."""
+    best = result.best
+    if best.pp == 1 and best.num_microbatches == 1:
+        return spmd.plan_captured(result.captured, model, result.microbatch_inputs, mesh=result.sub_mesh,
+                                  memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
+                                  baselines=False)
+    if best.schedule not in pipelined.SCHEDULES:
+        raise InputError(f"schedule {best.schedule!r} has no runtime yet (runtime schedules: "
+                         f"{pipelined.SCHEDULES}); search with schedules={pipelined.SCHEDULES}")
+    return pipelined.plan_pipelined_captured(
+        result.captured, model, result.microbatch_inputs, mesh=result.mesh, num_microbatches=best.num_microbatches,
+        schedule=best.schedule, memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit)
+
+
+def plan_searched(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimizer: str = "adamw",
+                  loss_fn=None, time_limit=None, num_microbatches=None, schedule=None, baselines: bool = True):
+    """`autopar.plan(..., num_stages="auto")`: search pipeline x data x tensor parallel layouts of
+    `mesh.size` devices among the plans the runtime can run (GPipe, 1F1B, interleaved 1F1B with
+    INTERLEAVE chunks per device; no gradient accumulation without stages) and return the best one's
+    Plan, its runners-up in `Plan.baselines`. The Plan's mesh is the chosen layout ("pp" first when
+    pipelined), which `autoparallelize` then uses."""
+    schedules = (schedule,) if schedule else pipelined.SCHEDULES
+    result = search(model, example_inputs, mesh=mesh, memory_budget=memory_budget, schedules=schedules,
+                    num_microbatches=num_microbatches, optimizer=optimizer, loss_fn=loss_fn, time_limit=time_limit,
+                    accumulate=False, exact_top=5)   # the 5 fastest are exact: they are the plan's baselines
+    plan = to_plan(result, model, memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit)
+    table = result.baseline_table(5) if baselines else {}
+    return dataclasses.replace(plan, baselines={**plan.baselines, **table})

@@ -1,0 +1,199 @@
+"""The ILP of `autopar.planning.solver` (its docstring writes the model out), built with OR-tools' pywraplp.
+
+One function per constraint family, each restating its formula; every constraint is named, so an
+infeasible model says which family failed. `build_model` assembles them, `run_model` solves.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+from ortools.linear_solver import pywraplp
+
+from autopar.errors import SolverError
+from autopar.planning.simplify import SolverProblem
+
+# BENCHMARK (benchmarks/solver_backends.py, 5 s limit, 2 shared cores; 25 ops/layer, 4-16 strategies):
+# - no memory row: variable elimination ("dp") is exact and fastest: 0.01 / 0.03 / 0.21 s at
+#   102 / 402 / 1,202 nodes, vs 0.02 / 0.07 / 0.42 s for the best ILP (HiGHS, CP-SAT): 2-3x.
+# - memory row, 102 nodes: CP-SAT tuned + Lagrangian hint 0.58 s optimal (non-deterministic
+#   portfolio), HiGHS 1.4 s, SCIP 2.7 s, CBC 4.2 s, CP-SAT default 2.5 s at 23% gap. At 402 nodes
+#   none proves optimality in 5 s: auto 0.2-0.35% gap, CBC 0.4%, SCIP/CP-SAT alone 18-100%, and
+#   pywraplp's HiGHS returns no incumbent at a time limit (ortools 9.15), and SetHint crashes it.
+# Winner for "auto": DP, then Lagrangian bisection, then CP-SAT tuned warm-started from the
+# Lagrangian incumbent. Deterministic mode uses interleave_search + a deterministic time limit
+# (slower: 5 s vs 0.6 s at 102 nodes); with deterministic=False the free portfolio runs.
+BACKENDS = {"highs": "HIGHS", "scip": "SCIP", "cbc": "CBC", "cpsat": "CP_SAT",
+            "cpsat_default": "CP_SAT", "dp": None, "auto": "CP_SAT"}
+_CPSAT_PARAMS = {
+    "cpsat": "num_workers: 2 extra_subsolvers: 'max_lp' cp_model_probing_level: 0 random_seed: 0",
+    "cpsat_default": "num_workers: 2 random_seed: 0",
+}
+
+
+_HIGHS_PARAMS = "output_flag=false\nmip_heuristic_run_feasibility_jump=false\n"
+_INTEGRAL = 1e-9   # an LP value this close to 0 or 1 is integral
+
+
+@dataclass
+class _Model:
+    solver: pywraplp.Solver
+    integer: bool
+    x: dict[int, dict[int, object]] = field(default_factory=dict)
+    e: dict[tuple[int, int], dict[tuple[int, int], object]] = field(default_factory=dict)
+    scale: float = 1.0
+
+
+def _coef(m: _Model, value: float) -> float:
+    return float(round(value * m.scale)) if m.integer else float(value)
+
+
+def make_variables(m: _Model, p: SolverProblem) -> None:
+    """x[i,s] for every allowed strategy; e[u,v,s,t] for every finite pair of allowed strategies."""
+    var = m.solver.BoolVar if m.integer else functools.partial(m.solver.NumVar, 0.0, 1.0)
+    for i, c in p.time.items():
+        m.x[i] = {s: m.solver.BoolVar(f"x[{i},{s}]") for s in np.flatnonzero(np.isfinite(c)).tolist()}
+    for (u, v), r in p.edges.items():
+        xu, xv = m.x[u], m.x[v]
+        m.e[u, v] = {(s, t): var(f"e[{u},{v},{s},{t}]") for s, t in np.argwhere(np.isfinite(r)).tolist()
+                     if s in xu and t in xv}
+
+
+def add_one_strategy(m: _Model, p: SolverProblem) -> None:
+    """one_strategy[i]: Σ_s x[i,s] = 1."""
+    for i, xs in m.x.items():
+        row = m.solver.Constraint(1, 1, f"one_strategy[{p.names[i]}]")
+        for x in xs.values():
+            row.SetCoefficient(x, 1)
+
+
+def add_edge_consistency(m: _Model, p: SolverProblem) -> None:
+    """edge_consistency: Σ_t e[u,v,s,t] = x[u,s] and Σ_s e[u,v,s,t] = x[v,t] (rows with some e)."""
+    for (u, v), es in m.e.items():
+        for end, node in ((0, u), (1, v)):
+            rows: dict[int, list] = {}
+            for pair, var in es.items():
+                rows.setdefault(pair[end], []).append(var)
+            for s, vars_ in rows.items():
+                row = m.solver.Constraint(0, 0, f"edge_consistency[{u},{v},{'st'[end]}={s}]")
+                row.SetCoefficient(m.x[node][s], -1)
+                for var in vars_:
+                    row.SetCoefficient(var, 1)
+
+
+def add_forbidden_pairs(m: _Model, p: SolverProblem) -> None:
+    """forbidden_pairs[u,v,s]: x[u,s] = 0 when every pair (s, t) of edge (u, v) is forbidden."""
+    for (u, v), es in m.e.items():
+        for end, node in ((0, u), (1, v)):
+            used = {pair[end] for pair in es}
+            for s, x in m.x[node].items():
+                if s not in used:
+                    m.solver.Constraint(0, 0, f"forbidden_pairs[{u},{v},{node}:{s}]").SetCoefficient(x, 1)
+
+
+def add_memory_budget(m: _Model, p: SolverProblem) -> None:
+    """memory_budget: Σ_i Σ_s m_i[s] x[i,s] <= budget - memory_offset (bytes; scaled for LP solvers)."""
+    rhs = p.budget - p.memory_offset
+    if m.integer:
+        unit, rhs = 1.0, math.floor(rhs)
+    else:
+        unit = max([float(np.abs(mem).max()) for mem in p.memory.values()] + [1.0])
+    row = m.solver.Constraint(-m.solver.infinity(), rhs / unit, "memory_budget")
+    for i, xs in m.x.items():
+        for s, x in xs.items():
+            row.SetCoefficient(x, math.ceil(p.memory[i][s]) if m.integer else p.memory[i][s] / unit)
+
+
+def set_objective(m: _Model, p: SolverProblem) -> None:
+    """minimise Σ c_i[s] x[i,s] + Σ R_uv[s,t] e[u,v,s,t] (the constant time_offset added after)."""
+    obj = m.solver.Objective()
+    for i, xs in m.x.items():
+        for s, x in xs.items():
+            obj.SetCoefficient(x, _coef(m, p.time[i][s]))
+    for (u, v), es in m.e.items():
+        r = p.edges[u, v]
+        for (s, t), var in es.items():
+            obj.SetCoefficient(var, _coef(m, r[s, t]))
+    obj.SetMinimization()
+
+
+def build_model(p: SolverProblem, backend: str) -> _Model:
+    """The ILP above for a simplified problem, one function per constraint family."""
+    solver = pywraplp.Solver.CreateSolver(BACKENDS[backend])
+    if solver is None:
+        raise SolverError(f"backend {backend!r} is not available in this OR-tools build")
+    solver.SuppressOutput()  # HiGHS otherwise prints its banner to stdout, into the user's output
+    m = _Model(solver, integer=backend.startswith("cpsat"))
+    finite = [np.abs(c[np.isfinite(c)]).max(initial=0.0) for c in (*p.time.values(), *p.edges.values())]
+    m.scale = 2.0 ** 30 / max(max(finite, default=0.0), 1e-30)
+    make_variables(m, p)
+    add_one_strategy(m, p)
+    add_forbidden_pairs(m, p)
+    add_edge_consistency(m, p)
+    if p.budget is not None:
+        add_memory_budget(m, p)
+    set_objective(m, p)
+    return m
+
+
+def run_model(m: _Model, p: SolverProblem, backend: str, seconds: float, hint: dict[int, int] | None,
+               deterministic: bool, gap: float) -> tuple[dict[int, int] | None, str, float]:
+    """Solve the model; (assignment or None, "optimal"|"feasible"|"infeasible"|"unknown", bound)."""
+    s = m.solver
+    if math.isfinite(seconds):
+        s.SetTimeLimit(max(int(seconds * 1000), 10))
+    if m.integer:
+        extra = f" relative_gap_limit: {gap}"
+        if deterministic and math.isfinite(seconds):  # stop on work done, not on the clock
+            extra += f" interleave_search: true max_deterministic_time: {0.5 * seconds}"
+        s.SetSolverSpecificParametersAsString(_CPSAT_PARAMS[backend] + extra)
+    else:
+        s.SetNumThreads(1)
+    if backend == "highs":   # pywraplp does not hand RELATIVE_MIP_GAP to HiGHS (ortools 9.15): say it here
+        s.SetSolverSpecificParametersAsString(_HIGHS_PARAMS + f"mip_rel_gap={gap!r}\n")
+        if m.x and all(len(d) for d in m.x.values()):
+            relaxed = _integral_relaxation(m, p)
+            if relaxed is not None:
+                return relaxed
+    if hint is not None and backend not in ("highs", "auto", "dp"):  # SetHint crashes HiGHS 1.12
+        xs = [(x, float(hint[i] == k)) for i, d in m.x.items() for k, x in d.items()]
+        es = [(e, float(hint[u] == a and hint[v] == b)) for (u, v), d in m.e.items()
+              for (a, b), e in d.items()]
+        s.SetHint([v for v, _ in xs + es], [w for _, w in xs + es])
+    params = pywraplp.MPSolverParameters()
+    params.SetDoubleParam(params.RELATIVE_MIP_GAP, gap)
+    status = s.Solve(params)
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        return None, "infeasible" if status == pywraplp.Solver.INFEASIBLE else "unknown", -math.inf
+    choice = {i: max(d, key=lambda k: d[k].solution_value()) for i, d in m.x.items()}
+    bound = s.Objective().BestBound() / (m.scale if m.integer else 1.0)
+    if backend == "highs":   # pywraplp reports HiGHS's objective as its bound: what the gap proves is
+        value = s.Objective().Value()   # value - bound <= gap * |value|
+        bound = min(bound, value - gap * abs(value)) if status == pywraplp.Solver.OPTIMAL else -math.inf
+    bound += p.time_offset
+    return choice, "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible", bound
+
+
+def _integral_relaxation(m: _Model, p: SolverProblem) -> tuple[dict[int, int], str, float] | None:
+    """Solve the LP relaxation (x continuous); when its optimum is integral it is the ILP's optimum
+    (the LP's value bounds every integer plan from below, and this plan attains it), found without
+    HiGHS's MIP machinery: presolve, root cuts and heuristics cost 2-15x the LP on these models even
+    when the LP is already integral, as it is without a memory row (the marginal polytope of these
+    tree-like graphs) and often with one. None (integrality restored) when some x is fractional."""
+    xs = [x for d in m.x.values() for x in d.values()]
+    for x in xs:
+        x.SetInteger(False)
+    try:
+        status = m.solver.Solve()
+        if status != pywraplp.Solver.OPTIMAL:
+            return None
+        values = {i: {k: x.solution_value() for k, x in d.items()} for i, d in m.x.items()}
+        if any(min(v, abs(1.0 - v)) > _INTEGRAL for d in values.values() for v in d.values()):
+            return None
+        choice = {i: max(d, key=d.__getitem__) for i, d in values.items()}
+        return choice, "optimal", m.solver.Objective().Value() + p.time_offset
+    finally:
+        for x in xs:
+            x.SetInteger(True)

@@ -1,0 +1,430 @@
+"""Build the solver's CostGraph from a canonical joint graph: seconds and bytes per choice.
+
+Cost-graph nodes are the graph's placeholders and ops (getitem nodes select an output of their
+producer and are folded into edges). For strategy s of node v:
+    time[v, s]   = roofline(local FLOPs, local bytes)  + node-local collectives
+                   (zero1/2 parameter all-gather, the loss all-reduce to Replicate); for a
+                   trainable parameter, its optimizer step: state bytes / bandwidth + the
+                   hardware's per-tensor `param_step_overhead`; for a view op (an alias), the
+                   hardware's `op_overhead` alone (a dispatched call, no bytes; the same for every s)
+    memory[v, s] = parameter + gradient + optimizer bytes (parameters), or the local bytes of
+                   outputs saved for backward (forward ops whose value a backward op reads)
+Edge (u, v): time[a, b] = reshard(u's output spec under a -> v's required input spec under b).
+Gradient edge (param p, grad producer g): reshard(g's output -> p's master spec): this is the
+all-reduce (dp) or reduce-scatter (zero) of the gradient.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from autopar.capture import precision
+from autopar.costmodel import compute
+from autopar.costmodel.memory import optimizer_state_bytes_per_param
+from autopar.graph import (
+    NAME,
+    PHASE,
+    ROLE,
+    VIEW_OPS,
+    is_getitem,
+    layer_of,
+    nbytes_of,
+    node_path,
+    packet,
+    producer_of,
+    val_of,
+)
+from autopar.placement import kind, local_fraction, replicated
+from autopar.planning.costgraph import CostEdge, CostGraph, CostNode
+from autopar.planning.reshard import ReshardCost
+from autopar.sharding.params import input_strategies, param_memory, param_strategies
+from autopar.sharding.rules import IN_OP_COLLECTIVES, in_op_collectives
+from autopar.sharding.rules.strided import split_factors
+from autopar.sharding.strategies import NodeStrategy, StrategyEnumerator, prune_partials
+
+# "params" are the stored (master) shards and buffers; "gathered_params" the whole copies ZeRO-1/2
+# gather once per step; "activations" the forward values kept for backward.
+CATEGORIES = ("params", "gathered_params", "grads", "optimizer", "activations")
+FREE_OPS = VIEW_OPS - {torch.ops.aten.clone, torch.ops.aten._to_copy}  # aliases: no kernel, no bytes
+
+
+@dataclass
+class EdgeInfo:
+    src: int          # cost-graph node index of the producer (or the parameter, for "grad" edges)
+    out: int          # which output of the producer
+    dst: int          # cost-graph node index of the consumer (or the gradient's producer)
+    pos: int          # which tensor input of the consumer (-1 for "grad" edges)
+    nbytes: float     # global bytes of the tensor moved
+    kind: str         # "data" | "grad"
+    no_reduce: bool = False  # a data edge inside a gradient's cast/view tail (mixed precision): no reductions
+    gather_share: float = 1.0  # of one collective's latencies its all-gathers pay (reshard.py): a parameter
+                               # in a numbered layer rides in its layer's flat all-gather
+
+
+@dataclass
+class CostProblem:
+    """Everything the planner knows about one (graph, mesh) pair, aligned with `cg` indices."""
+    gm: fx.GraphModule
+    mesh: object
+    nodes: list[fx.Node]
+    strategies: list[list[NodeStrategy]]
+    edges: list[EdgeInfo]
+    compute: list[np.ndarray]          # seconds per strategy (roofline)
+    local_comm: list[np.ndarray]       # seconds per strategy of node-local collectives
+    memory: list[dict[str, np.ndarray]]  # category -> bytes per strategy
+    cg: CostGraph = None
+    index: dict = field(default_factory=dict)
+    loss_index: int = -1
+    param_index: dict = field(default_factory=dict)   # param FQN -> node index
+    reshard: ReshardCost = None
+    signatures: dict = field(default_factory=dict)    # op node -> signature (StrategyEnumerator.signature)
+    solver_cache: dict = field(default_factory=dict)  # reused across the solves of one plan (planner)
+
+
+
+
+def split_factor(strat: NodeStrategy, axis_sizes) -> int:
+    """Devices the work is divided among: axes where any operand is sharded."""
+    f = 1
+    specs = [s for s in (*strat.outs, *strat.ins) if s is not None]
+    for axis, n in enumerate(axis_sizes):
+        if any(kind(s[axis]) == "S" for s in specs):
+            f *= n
+    return f
+
+
+def _node_compute(node: fx.Node, strats: list[NodeStrategy], hw, axis_sizes) -> np.ndarray:
+    if packet(node) in FREE_OPS:  # an alias moves no bytes, but the per-rank graph still dispatches it
+        return np.full(len(strats), compute.view_time(hw))
+    args = fx.node.map_arg(node.args, val_of)
+    kwargs = fx.node.map_arg(node.kwargs, val_of)
+    out = val_of(node)
+    flops = compute.node_flops(node.target, args, kwargs, out)
+    in_bytes = [nbytes_of(val_of(a)) for a in node.all_input_nodes]
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    out_bytes = [nbytes_of(o) for o in outs]
+    dtype = next((o.dtype for o in outs if isinstance(o, torch.Tensor)), torch.float32)
+    # exp-class ops: one transcendental per output element
+    out_elements = [float(o.numel()) if isinstance(o, torch.Tensor) and compute.is_transcendental(node.target)
+                    else 0.0 for o in outs]
+    efficiency = compute.flop_efficiency(node.target, hw)   # attention kernels: below matmul speed
+    times = np.empty(len(strats))
+    for k, s in enumerate(strats):
+        local = sum(b * local_fraction(spec, axis_sizes) for b, spec in zip(in_bytes, s.ins))
+        local += sum(b * local_fraction(spec, axis_sizes) for b, spec in zip(out_bytes, s.outs) if spec is not None)
+        elements = sum(e * local_fraction(spec, axis_sizes) for e, spec in zip(out_elements, s.outs)
+                       if spec is not None)
+        times[k] = compute.op_time(flops / split_factor(s, axis_sizes), local, hw, dtype, elements, efficiency)
+    return times
+
+
+def saved_values(gm: fx.GraphModule, recomputed: frozenset = frozenset()) -> set[tuple[fx.Node, int]]:
+    """Forward values read by backward ops, resolved through view-like ops to their base.
+    `recomputed`: forward nodes that backward runs again (`autopar.planning.recompute`): they read their
+    inputs in backward like backward ops do, and are themselves not kept."""
+    saved = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or (node.meta.get(PHASE) != "backward" and node not in recomputed):
+            continue
+        for a in node.all_input_nodes:
+            if a in recomputed:
+                continue
+            base, i = producer_of(a)
+            while base.op == "call_function" and packet(base) in FREE_OPS and base.meta.get(PHASE) == "forward":
+                base, i = producer_of(base.all_input_nodes[0])
+            if base.op == "placeholder" and base.meta.get(ROLE) != "input":
+                continue  # parameters and buffers are counted as such
+            if base.op == "placeholder" or base.meta.get(PHASE) == "forward":
+                saved.add((base, i))
+    return saved
+
+
+class ProblemBuilder:
+    def __init__(self, captured, mesh, optimizer: str = "adamw", enumerator: StrategyEnumerator | None = None,
+                 prune: bool = True):
+        self.captured = captured
+        self.gm = captured.gm
+        self.mesh = mesh
+        self.axis_sizes = tuple(mesh.shape)
+        self.hw = mesh.hardware
+        self.optimizer = optimizer
+        self.enumerate = enumerator or StrategyEnumerator(self.axis_sizes)
+        self.reshard = ReshardCost(mesh)
+        self._matrices: dict[tuple, np.ndarray] = {}
+        # Identical layers repeat (strategy list, op signature) pairs: costs are priced once per pair.
+        # Keys hold id() of strategy lists; each entry also holds the lists, so an id is never reused.
+        self._memo: dict[tuple, tuple[np.ndarray, tuple]] = {}
+        self._placeholder_strategies: dict[tuple, list[NodeStrategy]] = {}
+        self.prune = prune  # False keeps every rule strategy (tests compare the optima)
+
+    def build(self, allowed=None) -> CostProblem:
+        """`allowed(node, strategies) -> strategies` may restrict choices (forced recipes)."""
+        nodes, strats = [], []
+        for node in self.gm.graph.nodes:
+            if node.op == "output" or is_getitem(node) or val_of(node) is None:
+                continue
+            cands = self._strategies(node)
+            if allowed is not None:
+                cands = allowed(node, cands)
+            if not cands:
+                raise AssertionError(f"no strategy left for {node.name}")
+            nodes.append(node)
+            strats.append(cands)
+        if self.prune:
+            strats = _same_across_layers(nodes, strats, prune_partials(nodes, strats))
+        prob = CostProblem(self.gm, self.mesh, nodes, strats, [], [], [], [], reshard=self.reshard,
+                       signatures=self.enumerate.signature)
+        prob.index = {n: i for i, n in enumerate(nodes)}
+        prob.param_index = {n.meta[NAME]: prob.index[n] for n in nodes
+                            if n.op == "placeholder" and n.meta[ROLE] == "param"}
+        self._node_costs(prob)
+        self._data_edges(prob)
+        self._grad_edges(prob)
+        self._loss(prob)
+        prob.cg = self._cost_graph(prob)
+        return prob
+
+    def _strategies(self, node: fx.Node) -> list[NodeStrategy]:
+        if node.op != "placeholder":
+            return self.enumerate(node)
+        shape = tuple(int(s) for s in val_of(node).shape)
+        is_param = node.meta[ROLE] == "param"
+        trainable = is_param and node.meta[NAME] in self.captured.grad_param_names
+        factors = split_factors(node.graph) if is_param else frozenset()  # strided shards of fused weights
+        key = (shape, is_param, trainable, factors)  # one shared list per kind of input, as for ops
+        if key not in self._placeholder_strategies:
+            self._placeholder_strategies[key] = (
+                param_strategies(shape, self.axis_sizes, trainable, factors) if is_param
+                else input_strategies(shape, self.axis_sizes))
+        return self._placeholder_strategies[key]
+
+    def _node_costs(self, prob: CostProblem) -> None:
+        saved = {}
+        for base, i in saved_values(self.gm):
+            saved.setdefault(base, []).append(i)
+        opt_bytes = optimizer_state_bytes_per_param(self.optimizer, torch.float32)
+        for node, strats in zip(prob.nodes, prob.strategies):
+            k = len(strats)
+            mem = {c: np.zeros(k) for c in CATEGORIES}
+            comm = np.zeros(k)
+            val = val_of(node)
+            if node.op == "placeholder":
+                prob.compute.append(self._placeholder_costs(node, strats, mem, comm, opt_bytes))
+            else:
+                prob.compute.append(self._memoized(("compute", id(strats), self.enumerate.signature[node]), (strats,),
+                                                   lambda: _node_compute(node, strats, self.hw, self.axis_sizes)))
+                if node.target in IN_OP_COLLECTIVES:  # collectives inside the op (MoE expert dispatch)
+                    comm[:] = [sum(self.reshard.step_time(st) for st in in_op_collectives(node, s, self.axis_sizes))
+                               for s in strats]
+            if node in saved:
+                key = ("saved", id(strats), self.enumerate.signature.get(node, node), tuple(saved[node]))
+                mem["activations"] = self._memoized(key, (strats,), lambda: self._saved_bytes(val, strats, saved[node]))
+            prob.local_comm.append(comm)
+            prob.memory.append(mem)
+
+    def _memoized(self, key: tuple, lists: tuple, make) -> np.ndarray:
+        """make() once per key; the array is shared (read-only) by every node or edge with that key."""
+        if key not in self._memo:
+            arr = make()
+            arr.flags.writeable = False
+            self._memo[key] = (arr, lists)
+        return self._memo[key][0]
+
+    def _saved_bytes(self, val, strats: list[NodeStrategy], outputs: list[int]) -> np.ndarray:
+        """Bytes per device, per strategy, of the outputs backward reads."""
+        outs = val if isinstance(val, (tuple, list)) else (val,)
+        act = np.zeros(len(strats))
+        for i in outputs:
+            for s_idx, s in enumerate(strats):
+                act[s_idx] += nbytes_of(outs[i]) * local_fraction(s.outs[i], self.axis_sizes)
+        return act
+
+    def _placeholder_costs(self, node, strats, mem, comm, opt_bytes) -> np.ndarray:
+        val = val_of(node)
+        nbytes = nbytes_of(val)
+        times = np.zeros(len(strats))
+        if node.meta[ROLE] != "param":
+            if node.meta[ROLE] == "buffer":
+                mem["params"][:] = [nbytes * local_fraction(s.outs[0], self.axis_sizes) for s in strats]
+            return times
+        trainable = node.meta[NAME] in self.captured.grad_param_names
+        for k, s in enumerate(strats):
+            for cat, b in param_memory(s, nbytes, val.numel(), self.axis_sizes, opt_bytes, trainable).items():
+                mem[cat][k] = b
+            if s.outs[0] != s.master:  # zero1/2: gather the updated master once per step (bucketed)
+                comm[k] = self.reshard.time(s.master, s.outs[0], nbytes, bucketed=True)
+            if trainable:  # optimizer step: read p, g, states; write p, states (memory bound), plus
+                # the fixed per-tensor cost of a step on a DTensor parameter (the same for every spec)
+                touched = (3 * nbytes + val.numel() * 2 * opt_bytes) * local_fraction(s.master, self.axis_sizes)
+                times[k] = touched / self.hw.mem_bandwidth + self.hw.param_step_overhead
+        return times
+
+    def _data_edges(self, prob: CostProblem) -> None:
+        tails = (precision.gradient_tails(list(self.captured.grad_nodes.values()))
+                 if self.captured.mixed_precision is not None else set())
+        # a numbered layer's parameters are all-gathered as one (passes/bucket_layer_gathers.py): each
+        # pays its bytes' share of that collective's latencies, at least one over the layer's
+        # parameter count (a layer's small vectors are not gathered for nothing)
+        layer_bytes: dict[tuple[str, int], float] = {}
+        layer_count: dict[tuple[str, int], int] = {}
+        param_layer: dict[fx.Node, tuple[str, int]] = {}
+        for node in prob.nodes:
+            layer = layer_of(node.meta[NAME]) if node.meta.get(ROLE) == "param" else None
+            if layer is not None:
+                param_layer[node] = layer
+                layer_bytes[layer] = layer_bytes.get(layer, 0.0) + nbytes_of(val_of(node))
+                layer_count[layer] = layer_count.get(layer, 0) + 1
+        for dst, node in enumerate(prob.nodes):
+            if node.op == "placeholder":
+                continue
+            for pos, a in enumerate(node.all_input_nodes):
+                producer, out = producer_of(a)
+                if producer not in prob.index:
+                    continue
+                nbytes = nbytes_of(val_of(a))
+                layer = param_layer.get(producer)
+                share = max(nbytes / layer_bytes[layer], 1.0 / layer_count[layer]) if layer else 1.0
+                prob.edges.append(EdgeInfo(prob.index[producer], out, dst, pos, nbytes, "data", no_reduce=node in tails,
+                                           gather_share=share))
+
+    def _grad_edges(self, prob: CostProblem) -> None:
+        for name, g in self.captured.grad_nodes.items():
+            producer, out = producer_of(g)
+            if producer not in prob.index or name not in prob.param_index:
+                continue
+            val = val_of(g)  # mixed precision: the reduction moves `reduce_dtype` elements
+            nbytes = val.numel() * precision.reduce_itemsize(self.captured.mixed_precision, val.dtype)
+            prob.edges.append(EdgeInfo(prob.param_index[name], out, prob.index[producer], -1, float(nbytes), "grad"))
+
+    def _loss(self, prob: CostProblem) -> None:
+        producer, out = producer_of(self.captured.loss_node)
+        prob.loss_index = prob.index[producer]
+        nbytes = nbytes_of(val_of(self.captured.loss_node))
+        rep = replicated(len(self.axis_sizes))
+        for k, s in enumerate(prob.strategies[prob.loss_index]):
+            # the loss all-reduce rides in the last gradient bucket (the runtime fuses it there)
+            prob.local_comm[prob.loss_index][k] += self.reshard.time(s.outs[out], rep, nbytes, bucketed=True)
+
+    def edge_matrix(self, prob: CostProblem, e: EdgeInfo) -> np.ndarray:
+        """Seconds of resharding per (src strategy, dst strategy), priced once per unique spec pair;
+        edges between the same strategy lists (identical layers) share one read-only matrix."""
+        src_s, dst_s = prob.strategies[e.src], prob.strategies[e.dst]
+        key = ("edge", e.kind, id(src_s), id(dst_s), e.out, e.pos, float(e.nbytes), e.no_reduce, e.gather_share)
+        return self._memoized(key, (src_s, dst_s), lambda: self._edge_matrix(src_s, dst_s, e))
+
+    def _edge_matrix(self, src_s: list[NodeStrategy], dst_s: list[NodeStrategy], e: EdgeInfo) -> np.ndarray:
+        if e.kind == "grad":  # src is the parameter: its master spec; dst produces the gradient
+            src_specs = [s.master for s in src_s]
+            dst_specs = [d.outs[e.out] for d in dst_s]
+            small = self._spec_matrix(dst_specs, src_specs, e.nbytes, bucketed=True).T
+        else:
+            src_specs = [s.outs[e.out] for s in src_s]
+            dst_specs = [d.ins[e.pos] for d in dst_s]
+            small = self._spec_matrix(src_specs, dst_specs, e.nbytes, bucketed=False, gather_share=e.gather_share)
+            if e.no_reduce:
+                small = np.where(self._reduces(src_specs, dst_specs), np.inf, small)
+        return small[np.ix_(_index_of(src_specs), _index_of(dst_specs))]
+
+    def _reduces(self, a_specs, b_specs) -> np.ndarray:
+        """Per unique spec pair: does resharding a -> b all-reduce or reduce-scatter?"""
+        return np.array([[any(st.kind in ("all_reduce", "reduce_scatter") for st in self.reshard.steps(a, b, 1.0))
+                          for b in dict.fromkeys(b_specs)] for a in dict.fromkeys(a_specs)])
+
+    def _spec_matrix(self, a_specs, b_specs, nbytes: float, bucketed: bool, gather_share: float = 1.0) -> np.ndarray:
+        """reshard(a -> b) over the unique specs of each side, in first-seen order; identical layers
+        repeat the same (specs, specs, bytes), so each distinct matrix is priced once."""
+        key = (tuple(a_specs), tuple(b_specs), float(nbytes), bucketed, gather_share)
+        if key not in self._matrices:
+            self._matrices[key] = self._price_specs(a_specs, b_specs, nbytes, bucketed, gather_share)
+        return self._matrices[key]
+
+    def _price_specs(self, a_specs, b_specs, nbytes: float, bucketed: bool, gather_share: float) -> np.ndarray:
+        return np.array([[self.reshard.time(a, b, nbytes, bucketed, gather_share) for b in dict.fromkeys(b_specs)]
+                         for a in dict.fromkeys(a_specs)])
+
+    def _cost_graph(self, prob: CostProblem) -> CostGraph:
+        nodes = [CostNode(n.name, prob.compute[i] + prob.local_comm[i], sum(prob.memory[i].values()))
+                 for i, n in enumerate(prob.nodes)]
+        edges = []
+        for e in prob.edges:
+            src, dst, mat = e.src, e.dst, self.edge_matrix(prob, e)
+            edges.append(CostEdge(src, dst, mat))
+        return CostGraph(nodes, edges, layer_groups=layer_groups(prob))
+
+
+def _same_across_layers(nodes: list[fx.Node], full: list[list], pruned: list[list]) -> list[list]:
+    """`prune_partials` (exact) may keep different strategies at the same node of two identical
+    layers (layer 0 reads the embedding, later layers a residual); keeping the union at every layer
+    position restores identical layers, so the solver can still tile them (keeping more is exact)."""
+    slots: dict[tuple, list[int]] = {}
+    count: dict[tuple[str, int], int] = {}
+    for i, node in enumerate(nodes):
+        key = layer_of(node_path(node))
+        if key is not None:
+            pos = count[key] = count.get(key, -1) + 1
+            slots.setdefault((key[0], pos, str(node.target), len(full[i])), []).append(i)
+    out = list(pruned)
+    for members in slots.values():
+        kept = list({id(pruned[i]): pruned[i] for i in members}.values())  # identical layers share lists
+        fulls = list({id(full[i]): full[i] for i in members}.values())
+        if len(fulls) == 1:  # all pruned lists are sublists of one list (no duplicates): union by identity
+            union_ids = set().union(*(map(id, lst) for lst in kept))
+            shared = fulls[0] if len(union_ids) == len(fulls[0]) else [s for s in fulls[0] if id(s) in union_ids]
+            for i in members:
+                out[i] = shared
+            continue
+        union = set().union(*kept)
+        by_full: dict[int, list] = {}  # one list object per distinct full list (recipes memoize by id)
+        for i in members:
+            if id(full[i]) not in by_full:
+                by_full[id(full[i])] = [s for s in full[i] if s in union]
+            out[i] = by_full[id(full[i])]
+    return out
+
+
+def _index_of(specs: list) -> list[int]:
+    """Position of each spec among the unique specs in first-seen order."""
+    first = {sp: i for i, sp in enumerate(dict.fromkeys(specs))}
+    return [first[sp] for sp in specs]
+
+
+
+
+def layer_groups(prob: CostProblem) -> list[list[list[int]]]:
+    """Classes of structurally identical layers, each layer a list of node indices in order."""
+    layers: dict[tuple[str, int], list[int]] = {}
+    for i, key in enumerate(_layer_keys(prob)):
+        if key is not None:
+            layers.setdefault(key, []).append(i)
+    classes: dict[tuple, list[list[int]]] = {}
+    for (container, _), idxs in sorted(layers.items()):
+        sig = (container,) + tuple(_signature(prob, i) for i in idxs)
+        classes.setdefault(sig, []).append(idxs)
+    return [layers_ for layers_ in classes.values() if len(layers_) > 1]
+
+
+def _layer_keys(prob: CostProblem) -> list[tuple[str, int] | None]:
+    """Each node's layer. The gradient sums autograd inserts (backward adds, e.g. of the residual
+    stream) have no module path; each joins the lowest layer among its inputs'. Otherwise those
+    nodes, ~10 per layer, sit outside the tiled layers and stay separate nodes in the quotient."""
+    keys: dict[fx.Node, tuple[str, int] | None] = {}
+    for node in prob.nodes:
+        key = layer_of(node_path(node))
+        if key is None and node.target is torch.ops.aten.add.Tensor and node.meta.get(PHASE) == "backward":
+            found = [keys[p] for p in (producer_of(a)[0] for a in node.all_input_nodes) if keys.get(p) is not None]
+            key = min(found) if found else None
+        keys[node] = key
+    return [keys[n] for n in prob.nodes]
+
+
+def _signature(prob: CostProblem, i: int) -> tuple:
+    node = prob.nodes[i]
+    val = val_of(node)
+    shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+    target = node.meta.get(ROLE) if node.op == "placeholder" else str(node.target)
+    return (target, node.op, shape, len(prob.strategies[i]), node.meta.get(PHASE))
+
+
