@@ -444,9 +444,8 @@ def test_a_parameter_gathered_with_its_layer_pays_its_share_of_one_collective():
     parameter's data edges carry max(its bytes over the layer's, 1 / the layer's parameter count) as
     `gather_share`; parameters outside the numbered layers (embeddings, final norm) and activations
     pay a whole one."""
-    from tests.models import tiny_gpt
-
     import autopar
+    from autopar._testing.models import tiny_gpt
     from autopar.capture.canonicalize import canonicalize
     from autopar.capture.trace import capture
     from autopar.planning.problem import ProblemBuilder
