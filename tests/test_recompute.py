@@ -164,6 +164,27 @@ def test_budget_below_everything_recomputed_raises_with_the_minimum(gpt, capture
     assert budget < least <= every.memory_per_device * 1.001
 
 
+def test_auto_is_never_slower_than_a_recipe_with_recompute(gpt, captured):
+    """Under a budget only recompute meets, on a 2-D mesh, the unrestricted solve starts from each
+    textbook recipe's own plan with recompute and is never slower than one that fits (each found under
+    the same time limit), even when its ILP gets no time to improve on its least-memory fallback
+    (time_limit ~0). Before, it raised InfeasiblePlanError while recipes fitted, as it did for a
+    16-layer Llama on (2, 8) at 80 GB with the default time limit."""
+    mesh = autopar.Mesh((2, 2), axis_names=("dp", "tp"))
+    with pytest.raises(InfeasiblePlanError) as info:
+        _plan(gpt, captured, mesh=mesh, recompute="none", memory_budget=1)
+    least_without = info.value.min_memory_per_device
+    every = _plan(gpt, captured, mesh=mesh, recompute="all", strategy="zero3")
+    budget = int((every.memory_per_device + least_without) / 2)   # only plans with recompute fit
+    assert every.memory_per_device < budget < least_without
+    fitting = [p for p in (_plan(gpt, captured, mesh=mesh, memory_budget=budget, strategy=name, time_limit=1e-3)
+                           for name in ("dp", "zero1", "zero2", "zero3", "tp")) if p.feasible]
+    assert fitting and all(p.recompute for p in fitting)
+    auto = _plan(gpt, captured, mesh=mesh, memory_budget=budget, time_limit=1e-3)   # each solve gets ~0 s
+    assert auto.feasible and auto.recompute and auto.memory_per_device <= budget
+    assert auto.predicted_step_time <= min(p.predicted_step_time for p in fitting) * (1 + 1e-9)
+
+
 def _measure(rank, world, model, args, plan_jsons):
     from autopar import autoparallelize
     from autopar.runtime.memtrack import measure_step

@@ -50,6 +50,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from autopar.costmodel.memory import format_bytes
 from autopar.errors import InfeasiblePlanError, InputError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -210,7 +211,7 @@ def partition(layers: Sequence[LayerCost], p: int, m: int, schedule: str, *, p2p
         need = vv * _min_memory(mem, counts, T)
         raise InfeasiblePlanError(
             f"no split of {n} layers into {chunks} pipeline stages fits the memory budget "
-            f"({budget:.3g} B per device); the best split needs {need:.3g} B",
+            f"({format_bytes(budget)} per device); the best split needs {format_bytes(need)}",
             min_memory_per_device=need, budget=memory_budget)
     weight = m * vv - 1   # gpipe/1f1b: m - 1; interleaved: device time <= v * chunk time
     values = np.unique(T[np.isfinite(T)])

@@ -36,6 +36,7 @@ Measured on autopar/_testing/gpt.py (4 layers, width 64, one device): the peak o
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,7 +47,7 @@ from autopar.graph import MASK, PHASE, is_getitem, is_random, layer_of, nbytes_o
 from autopar.placement import local_fraction
 from autopar.planning.costgraph import CostEdge, CostGraph, CostNode, Solution
 from autopar.planning.problem import saved_values
-from autopar.planning.solver import evaluate, solve
+from autopar.planning.solver import evaluate, min_memory, restrict, solve
 
 MODES = ("auto", "none", "all")
 
@@ -255,14 +256,15 @@ def _groups(ex: Expanded, prob) -> list[list[list[int]]]:
 
 
 # ---------------------------------------------------------------------------- solving
-def solve_recompute(prob, mode, *, fixed: dict[int, list[int]] | None, time_limit: float | None
-                    ) -> tuple[Solution, RecomputeDecision]:
+def solve_recompute(prob, mode, *, fixed: dict[int, list[int]] | None, time_limit: float | None,
+                    recipes: Sequence[dict[int, list[int]]] = ()) -> tuple[Solution, RecomputeDecision]:
     """Solve strategies and recompute together; `mode`: "auto" (the solver decides), "all", or a
-    tuple of layer paths (forced). Raises InfeasiblePlanError stating the minimum with recompute."""
+    tuple of layer paths (forced). `recipes`: restrictions (node -> allowed strategies, e.g. the
+    textbook recipes) whose own best plans with recompute warm-start the search and bound it: the
+    plan returned is never slower than any of them that fits. Raises InfeasiblePlanError whose
+    `min_memory_per_device` is a lower bound of every plan with recompute (transients aside)."""
     ex = expand(prob)
-    efixed = {}
-    for i, allowed in (fixed or {}).items():
-        efixed[i] = list(allowed) + ([ex.sizes[i] + s for s in allowed] if i in ex.act else [])
+    efixed = _expanded_fixed(ex, fixed)
     if mode != "auto":
         last = [p for p in mode if p not in ex.hubs] if mode != "all" else []
         if last:
@@ -270,16 +272,44 @@ def solve_recompute(prob, mode, *, fixed: dict[int, list[int]] | None, time_limi
                              f"first, so re-running it lowers no peak; recomputable: {sorted(ex.hubs)}")
         for path, hub in ex.hubs.items():
             efixed[hub] = [1] if mode == "all" or path in mode else [0]
+    incumbents = [c for c in (_recipe_plan(ex, _expanded_fixed(ex, r), time_limit) for r in recipes) if c is not None]
+    hint = min(incumbents, key=lambda c: evaluate(ex.cg, c)[0]) if incumbents else None
+    try:
+        sol = solve(ex.cg, dedup_layers=bool(ex.cg.layer_groups), fixed=efixed or None, time_limit=time_limit,
+                    hint=hint)
+    except InfeasiblePlanError as e:
+        _infeasible(ex, e.min_memory_per_device, e.budget, "")
+    found = _refine(ex, sol.choice.copy()) if mode == "auto" else sol.choice.copy()
+    fitting = [c for c in (found, *incumbents) if _fits(ex, c)]
+    if not fitting:
+        _infeasible(ex, _least_memory(ex, efixed), ex.cg.memory_budget, ", and the re-run values of one layer on top")
+    return _decode(ex, prob, sol, min(fitting, key=lambda c: evaluate(ex.cg, c)[0]))
+
+
+def _expanded_fixed(ex: Expanded, fixed: dict[int, list[int]] | None) -> dict[int, list[int]]:
+    """A restriction of the original graph's strategies, on the expanded graph (both r of each)."""
+    return {i: list(allowed) + ([ex.sizes[i] + s for s in allowed] if i in ex.act else [])
+            for i, allowed in (fixed or {}).items()}
+
+
+def _recipe_plan(ex: Expanded, efixed: dict[int, list[int]], time_limit: float | None) -> np.ndarray | None:
+    """The best plan with recompute within one restriction, refined; None if none fits."""
     try:
         sol = solve(ex.cg, dedup_layers=bool(ex.cg.layer_groups), fixed=efixed or None, time_limit=time_limit)
-    except InfeasiblePlanError as e:
-        least = e.min_memory_per_device
-        _infeasible(ex, least, e.budget, "")
-    choice = _refine(ex, sol.choice.copy()) if mode == "auto" else sol.choice.copy()
-    mem = evaluate(ex.cg, choice)[1] + transient(ex, choice)
-    if ex.cg.memory_budget is not None and mem > ex.cg.memory_budget:
-        _infeasible(ex, mem, ex.cg.memory_budget, ", and the re-run values of one layer on top")
-    return _decode(ex, prob, sol, choice)
+    except InfeasiblePlanError:
+        return None
+    choice = _refine(ex, sol.choice.copy())
+    return choice if _fits(ex, choice) else None
+
+
+def _fits(ex: Expanded, choice: np.ndarray) -> bool:
+    budget = ex.cg.memory_budget
+    return budget is None or evaluate(ex.cg, choice)[1] + transient(ex, choice) <= budget
+
+
+def _least_memory(ex: Expanded, efixed: dict[int, list[int]]) -> float:
+    """The least memory any plan with recompute keeps (its transient aside): a lower bound."""
+    return min_memory(restrict(ex.cg, efixed)[0] if efixed else ex.cg)
 
 
 def _infeasible(ex: Expanded, least: float, budget: float | None, extra: str):

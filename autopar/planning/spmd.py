@@ -169,12 +169,25 @@ def _solve_with_recompute(prob, captured, mesh, wanted, solutions, time_limit, r
                 return sol, reason, None
     fixed = None if all(r == "auto" for r in wanted) else restricted_choices(prob, captured, mesh, wanted)
     try:
-        sol, rc = recompute_mod.solve_recompute(prob, mode, fixed=fixed, time_limit=time_limit)
+        sol, rc = recompute_mod.solve_recompute(prob, mode, fixed=fixed, time_limit=time_limit,
+                                                recipes=_recipe_hints(prob, captured, mesh, fixed, mode))
     except InfeasiblePlanError:
         if fixed is None or mode != "auto":
             raise
         return (*solve_requested(prob, captured, mesh, wanted, solutions, time_limit), None)
     return sol, "", rc
+
+
+def _recipe_hints(prob, captured, mesh, fixed, mode) -> list[dict[int, list[int]]]:
+    """The textbook recipes' restrictions, for an unrestricted solve that decides recompute itself:
+    their plans with recompute warm-start it and bound it (auto is never slower than a recipe that
+    fits). On a 2-D mesh the unrestricted ILP may not improve on its least-memory fallback within
+    the time limit while a recipe with recompute fits easily (a 16-layer Llama on (2, 8) at 80 GB)."""
+    if fixed is not None or mode != "auto":
+        return []
+    propagated: dict = {}
+    hints = (restricted_choices(prob, captured, mesh, (name,) * mesh.ndim, propagated) for name in BASELINES)
+    return [h for h in hints if h is not None]
 
 
 def fingerprint(captured, mesh) -> str:
