@@ -88,6 +88,17 @@ class Plan:
     mixed_precision: dict | None = None  # {"param_dtype", "reduce_dtype"} (autopar.capture.precision), None = fp32
 
     # ------------------------------------------------------------------ reading
+    @property
+    def predicted_mfu(self) -> float | None:
+        """Model FLOPs utilisation: the step's model FLOPs (forward and backward of the global batch,
+        recompute not counted) / (peak FLOP/s of the compute dtype x devices x predicted step time).
+        None for plans saved before FLOPs were recorded."""
+        flops = self.model.get("flops")
+        if not flops or not self.predicted_step_time:
+            return None
+        dtype = self.mixed_precision["param_dtype"] if self.mixed_precision else "float32"
+        return flops / (self.mesh.hardware.flops(dtype) * self.mesh.size * self.predicted_step_time)
+
     def placement(self, name: str) -> tuple:
         """DTensor placements (one per mesh axis) of a parameter FQN, a module's weight, or a node."""
         if name in self.params:

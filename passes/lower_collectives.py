@@ -224,8 +224,6 @@ def lower_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     return gm
 
 
-
-
 # ---------------------------------------------------------------- grouped matmuls (MoE experts)
 
 def _nested_range(spec, size: int, dim_coords, ctx: PassContext) -> tuple[int, int]:

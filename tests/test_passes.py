@@ -117,7 +117,6 @@ def test_run_passes_dumps_and_skips(tmp_path, monkeypatch):
     assert set(ctx.timings) == {name for _, name in ran}
 
 
-
 def test_env_switches_off_optional_passes_only(monkeypatch):
     """AUTOPAR_DISABLE_PASSES skips the named optimisation passes; unknown or required names are refused."""
     from autopar.errors import InputError

@@ -211,7 +211,6 @@ def test_profiler_graphs_and_problems_equal_a_plain_capture_and_build():
     assert len(prof.reshards) == 1
 
 
-
 class _TradeOffProfiler:
     """A stand-in Profiler over SPMD plans of `units` alike units, each plan (state GB, activation GB,
     seconds) per unit: `layers` returns the fastest plan whose state + w * activations meets the

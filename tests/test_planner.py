@@ -163,3 +163,20 @@ def test_same_inputs_give_the_same_plan_byte_for_byte():
 
     a, b = planned(), planned()
     assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def test_predicted_mfu_counts_the_model_flops_of_the_step():
+    """MFU = model FLOPs / (peak FLOP/s x devices x step). Alpa's MLP (batch B, width H): fc2 runs
+    forward, grad-input and grad-weight matmuls (3 x 2BH^2), fc1 no grad-input (its input is data):
+    2 x 2BH^2, so 10 BH^2 matmul FLOPs a step; pipelining counts all m micro-batches."""
+    b, h = 64, 256
+    case = models.meta_mlp(b, h)
+    mesh = autopar.Mesh((4,), hardware="h100")
+    plan = autopar.plan(case.model, case.args, mesh=mesh, baselines=False)
+    assert plan.model["flops"] == 10 * b * h * h
+    want = plan.model["flops"] / (mesh.hardware.flops("float32") * 4 * plan.predicted_step_time)
+    assert plan.predicted_mfu == pytest.approx(want) and 0 < plan.predicted_mfu < 1
+    assert f"mfu       {plan.predicted_mfu:.1%}" in plan.summary(rich=False)
+    assert autopar.Plan.from_json(plan.to_json()).predicted_mfu == plan.predicted_mfu
+    piped = autopar.plan(case.model, case.args, mesh=mesh, num_stages=2, num_microbatches=4, baselines=False)
+    assert piped.model["flops"] == plan.model["flops"]

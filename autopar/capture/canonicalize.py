@@ -19,9 +19,6 @@ from autopar.graph import PASS, PHASE, ROLE, is_view_like
 aten = torch.ops.aten
 
 
-
-
-
 def _copy_meta(src: fx.Node, dst: fx.Node, why: str, **overrides) -> None:
     for key in ("val", "phase", "module_path", "stack_trace", "nn_module_stack"):
         if key in src.meta:

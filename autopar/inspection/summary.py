@@ -315,6 +315,14 @@ def sequence_parallel_line(plan) -> str | None:
     return "sequence  " + "; ".join(parts) + " (sequence parallelism)" if parts else None
 
 
+def _flops(x: float) -> str:
+    """1.23 PFLOP, 456 TFLOP, ... (three significant digits)."""
+    for unit, scale in (("EFLOP", 1e18), ("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if x >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.3g} FLOP"
+
+
 def header_lines(plan) -> list[str]:
     m = plan.model
     lines = [f"autopar plan — {m.get('name', '?')}, {m.get('parameters', 0):,} parameters, inputs "
@@ -355,6 +363,12 @@ def totals_lines(plan) -> list[str]:
         + format_seconds(s.get("seconds", 0.0)) + (f" ({sizes})" if sizes else ""),
         "planning  " + " · ".join(f"{k} {format_seconds(v)}" for k, v in _timings(plan.timings)),
     ]
+    mfu = plan.predicted_mfu
+    if mfu is not None:
+        dtype = plan.mixed_precision["param_dtype"] if plan.mixed_precision else "float32"
+        peak = _flops(plan.mesh.hardware.flops(dtype))
+        lines.insert(1, f"mfu       {mfu:.1%} = {_flops(plan.model['flops'])} per step / ({peak}/s {dtype} peak × "
+                        f"{plan.mesh.size} devices × {format_seconds(plan.predicted_step_time)})")
     if plan.recompute:  # after the memory line: the activations it frees are in that line
         lines.insert(2, f"recompute {len(plan.recompute)} layers re-run their forward in backward: "
                         + _compact_paths(plan.recompute))

@@ -195,6 +195,7 @@ def widen(one_stage: Plan, mesh: Mesh, layers, split, m: int, schedule: str, bud
                                         "the fullest stage exceeds the memory budget")
     return dataclasses.replace(
         one_stage, mesh=mesh, recipes=(PP,) + tuple(one_stage.recipes), params=params, nodes=nodes, stages=stages,
+        model={**one_stage.model, "flops": one_stage.model.get("flops", 0.0) * m},   # m micro-batches a step
         schedule=schedule, num_microbatches=m, predicted_step_time=float(split.step_time),
         predicted_compute_time=busy * compute_share, predicted_comm_time=busy * (1 - compute_share),
         memory_per_device=float(max(split.stage_memory)), memory_breakdown=breakdown, memory_budget=budget,

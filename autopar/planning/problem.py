@@ -84,6 +84,16 @@ class CostProblem:
     solver_cache: dict = field(default_factory=dict)  # reused across the solves of one plan (planner)
 
 
+def model_flops(gm: fx.GraphModule) -> float:
+    """FLOPs of one training step of the global batch as captured (forward and backward, no
+    recompute): the numerator of MFU. Counted per op by `costmodel.compute.node_flops` (cached by
+    shape, so a stack of identical layers costs one count per distinct op)."""
+    total = 0.0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and compute.is_flop_counted(node.target):
+            total += compute.node_flops(node.target, fx.node.map_arg(node.args, val_of),
+                                        fx.node.map_arg(node.kwargs, val_of))
+    return total
 
 
 def split_factor(strat: NodeStrategy, axis_sizes) -> int:
@@ -389,8 +399,6 @@ def _index_of(specs: list) -> list[int]:
     """Position of each spec among the unique specs in first-seen order."""
     first = {sp: i for i, sp in enumerate(dict.fromkeys(specs))}
     return [first[sp] for sp in specs]
-
-
 
 
 def layer_groups(prob: CostProblem) -> list[list[list[int]]]:

@@ -113,8 +113,6 @@ def last_layers(gm: fx.GraphModule) -> set[str]:
     return {f"{c}.{i}" for c, i in top.items()}
 
 
-
-
 def copied_nodes(nodes: list[fx.Node]) -> list[fx.Node]:
     """The ops of one layer (`nodes`, forward, graph order) that backward runs again: those that
     backward reads, and their inputs inside the layer, transitively; never a layer output (read by

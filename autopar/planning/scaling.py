@@ -48,6 +48,11 @@ class ScalingRow:
     def feasible(self) -> bool:
         return self.plan is not None
 
+    @property
+    def mfu(self) -> float | None:
+        """The plan's predicted model FLOPs utilisation (`Plan.predicted_mfu`)."""
+        return self.plan.predicted_mfu if self.plan is not None else None
+
 
 @dataclass(frozen=True)
 class ScalingReport:
@@ -64,7 +69,7 @@ class ScalingReport:
 
     def __str__(self) -> str:
         head = (f"{'devices':>7} {'mesh':>8} {'step time':>10} {'samples/s':>10} {'memory/dev':>11} "
-                f"{'efficiency':>10}  comm share")
+                f"{'efficiency':>10}  comm share  {'MFU':>5}")
         lines = [f"scaling on {self.hardware}, global batch {self.batch}, threshold {self.threshold:.0%}",
                  head, "-" * len(head)]
         for r in self.rows:
@@ -77,7 +82,7 @@ class ScalingReport:
             mark = "  <- stop" if r.devices == self.stopped_by else ""
             lines.append(f"{r.devices:>7} {mesh:>8} {format_seconds(r.predicted_step_time):>10} "
                          f"{r.throughput:>10.4g} {format_bytes(r.memory_per_device):>11} "
-                         f"{r.efficiency:>10.1%}  {share:>9.0%}{mark}")
+                         f"{r.efficiency:>10.1%}  {share:>9.0%}  {_percent(r.mfu):>5}{mark}")
         lines.append(self.reason)
         return "\n".join(lines)
 
@@ -110,6 +115,10 @@ class ScalingReport:
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
+
+
+def _percent(x: float | None) -> str:
+    return "?" if x is None else f"{x:.0%}"
 
 
 def default_mesh_shape(devices: int, hw: HardwareSpec, devices_per_node: int | None = None) -> tuple[int, ...]:

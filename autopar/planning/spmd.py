@@ -21,7 +21,7 @@ from autopar.mesh import Mesh
 from autopar.plan import Plan
 from autopar.planning import assemble
 from autopar.planning import recompute as recompute_mod
-from autopar.planning.problem import ProblemBuilder
+from autopar.planning.problem import ProblemBuilder, model_flops
 from autopar.planning.solver import solve
 from autopar.sharding import recipes
 
@@ -218,6 +218,7 @@ def assemble_plan(prob, captured, mesh, strategy, wanted, budget, sol, reason, b
                 **{k: v for k, v in sol.stats.items() if isinstance(v, (int, float, str))}},
         timings=dict(timer), candidates=assemble.candidates(prob, sol.choice, budget),
         model={"name": type(model).__name__, "parameters": int(sum(np.prod(s) for s in captured.param_shapes.values())),
-               "inputs": [list(t.shape) for t in inputs if hasattr(t, "shape")], "tied": captured.tied},
+               "inputs": [list(t.shape) for t in inputs if hasattr(t, "shape")], "tied": captured.tied,
+               "flops": model_flops(captured.gm)},
         mixed_precision=captured.mixed_precision.to_json() if captured.mixed_precision is not None else None,
     )

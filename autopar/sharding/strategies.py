@@ -31,8 +31,6 @@ class NodeStrategy:
         return f"{outs} <- {ins}"
 
 
-
-
 class StrategyEnumerator:
     """Enumerates strategies per node, caching by op signature (identical layers repeat signatures)."""
 
