@@ -74,3 +74,30 @@ def test_arguments():
         parse_devices("many")
     with pytest.raises(InputError, match="devices"):
         scaling(torch.nn.Linear(2, 2), (torch.ones(2, 2),), devices=[0])
+
+
+def _row(devices: int, throughput: float | None, efficiency: float | None):
+    """A synthetic row: `throughput` None means no plan fits on that count."""
+    from types import SimpleNamespace
+
+    from autopar.planning.scaling import ScalingRow
+    if throughput is None:
+        return ScalingRow(devices, (devices,), None, None, 1e12, None, None)
+    plan = SimpleNamespace(stages=(), predicted_compute_time=0.5, predicted_comm_time=0.5, collectives=(),
+                           predicted_mfu=None)
+    return ScalingRow(devices, (devices,), 8 / throughput, throughput, 1e9, efficiency, plan)
+
+
+def test_a_count_where_nothing_fits_does_not_end_the_scan():
+    """Issue 27's case: one count without a plan (16, once a false infeasibility on 2 x 8) in the middle
+    of counts that scale at 82-98% must not make the verdict stop at 8."""
+    from autopar.planning.scaling import _verdict
+    rows = (_row(8, 100, 1.0), _row(16, None, None), _row(32, 380, 0.95), _row(64, 700, 0.88), _row(128, 720, 0.45))
+    report = _verdict(rows, "h100", 8, 0.5)
+    assert report.stop_at == 64 and report.stopped_by == 128 and "no plan fits on 16" in report.reason
+    paying = [r for r in rows if r.feasible and r.efficiency >= 0.5]
+    assert not [r for r in paying if r.devices > report.stop_at and r.throughput > 700]
+    flat = _verdict((_row(1, 10, 1.0), _row(2, 19, 0.95), _row(4, 18, 0.9), _row(8, 30, 0.8)), "h100", 8, 0.5)
+    assert flat.stop_at == 8 and flat.stopped_by is None   # 4 dips, 8 pays again: the scan goes on
+    tail = _verdict((_row(1, 10, 1.0), _row(2, None, None)), "h100", 8, 0.5)
+    assert tail.stop_at == 1 and tail.stopped_by == 2 and tail.cause == "memory"

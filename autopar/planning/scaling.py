@@ -7,11 +7,13 @@ predicted step time, throughput (samples/s), memory per device and scaling effic
     efficiency(N) = T_compute(1) / (N · T_step(N))
 
 where T_compute(1) is the one-device compute time (no communication), so 100% means perfect
-division of the work. The stop point is the first N whose efficiency falls below `threshold` or
-whose throughput does not rise over the previous N; `stop_at` is the last N before it (the count
-past which scaling stops paying) and `reason` says why: the lost time is mostly collectives
-("communication"), pipeline bubbles ("bubble"), no plan fits the memory budget ("memory"), or work
-that does not divide ("compute"). The model is captured once and planned per mesh.
+division of the work. A count *pays* when a plan fits, its efficiency is at least `threshold` and
+its throughput beats every smaller count's. `stop_at` is the largest count that pays, so no larger
+count that pays has better throughput (a count where no plan fits is reported as such, and counts
+past it are still considered); `stopped_by` is the next count, and `reason` says why it does not
+pay: the lost time is mostly collectives ("communication"), pipeline bubbles ("bubble"), no plan
+fits the memory budget ("memory"), or work that does not divide ("compute"). Every row also shows
+the plan's predicted MFU. The model is captured once and planned per mesh.
 """
 from __future__ import annotations
 
@@ -99,8 +101,8 @@ class ScalingReport:
         xs = [r.devices for r in rows]
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
         ax1.plot(xs, [r.throughput for r in rows], "o-", label="predicted")
-        if rows:
-            per_device = rows[0].throughput * rows[0].efficiency / rows[0].devices
+        if rows:   # ideal: N devices doing one device's compute-only work N times over (efficiency's reference)
+            per_device = rows[0].throughput / (rows[0].efficiency * rows[0].devices)
             ax1.plot(xs, [per_device * x for x in xs], "--", color="gray", label="ideal")
         ax1.set(xscale="log", yscale="log", xlabel="devices", ylabel="samples / s", title="throughput")
         ax2.plot(xs, [100 * r.efficiency for r in rows], "o-")
@@ -179,31 +181,42 @@ def _row(n, plan_on, budget, reference, batch, hw, dpn) -> ScalingRow:
 
 
 def _verdict(rows: tuple[ScalingRow, ...], hw_name: str, batch: int, threshold: float) -> ScalingReport:
-    """The first feasible-run break: efficiency under threshold, throughput flat, or no plan fits."""
-    last_good, prev = None, None
+    """`stop_at`: the largest count that pays (feasible, efficiency >= threshold, more samples/s than
+    every smaller feasible count), so no larger count that pays has better throughput; a count where
+    no plan fits is reported as such and does not end the scan. `stopped_by`: the first feasible
+    count after `stop_at` (it does not pay), or, if none, the first larger count where nothing fits."""
+    best, last_good = 0.0, None
     for r in rows:
-        if not r.feasible:
-            if last_good is None:
-                continue   # too few devices to hold the model: scaling must go on
-            cause, why = "memory", f"no plan fits the memory budget on {r.devices} devices"
-        elif r.efficiency < threshold:
-            cause, why = _cause(r), f"efficiency falls to {r.efficiency:.0%} (< {threshold:.0%})"
-        elif prev is not None and r.throughput <= prev.throughput:
-            cause, why = _cause(r), (f"throughput stops rising ({r.throughput:.4g} samples/s vs "
-                                     f"{prev.throughput:.4g} on {prev.devices})")
-        else:
-            last_good = prev = r
-            continue
-        detail = _detail(r) if r.feasible else ""
-        reason = (f"stop at {last_good.devices} devices: on {r.devices} {why}; cause: {cause}"
-                  f"{detail}")
-        return ScalingReport(rows, hw_name, batch, threshold, last_good.devices, r.devices, cause, reason)
+        if r.feasible and r.efficiency >= threshold and r.throughput > best:
+            last_good = r
+        if r.feasible:
+            best = max(best, r.throughput)
     if last_good is None:
-        return ScalingReport(rows, hw_name, batch, threshold, None, None, "memory",
-                             "no device count in the range has a plan that fits the memory budget")
-    return ScalingReport(rows, hw_name, batch, threshold, last_good.devices, None, None,
-                         f"scaling pays up to {last_good.devices} devices, the end of the range "
-                         f"(efficiency {last_good.efficiency:.0%})")
+        if not any(r.feasible for r in rows):
+            return ScalingReport(rows, hw_name, batch, threshold, None, None, "memory",
+                                 "no device count in the range has a plan that fits the memory budget")
+        first = next(r for r in rows if r.feasible)
+        return ScalingReport(rows, hw_name, batch, threshold, None, first.devices, _cause(first),
+                             f"no device count pays: on {first.devices} efficiency is {first.efficiency:.0%} "
+                             f"(< {threshold:.0%}); cause: {_cause(first)}{_detail(first)}")
+    later = [r for r in rows if r.devices > last_good.devices]
+    r = next((r for r in later if r.feasible), None) or next(iter(later), None)
+    if r is None:
+        return ScalingReport(rows, hw_name, batch, threshold, last_good.devices, None, None,
+                             f"scaling pays up to {last_good.devices} devices, the end of the range "
+                             f"(efficiency {last_good.efficiency:.0%})")
+    if not r.feasible:
+        cause, why = "memory", f"no plan fits the memory budget on {r.devices} devices"
+    elif r.efficiency < threshold:
+        cause, why = _cause(r), f"efficiency falls to {r.efficiency:.0%} (< {threshold:.0%})"
+    else:
+        cause, why = _cause(r), (f"throughput stops rising ({r.throughput:.4g} samples/s vs "
+                                 f"{last_good.throughput:.4g} on {last_good.devices})")
+    skipped = [q.devices for q in rows if not q.feasible and q.devices < last_good.devices]
+    note = f"; no plan fits on {', '.join(map(str, skipped))}" if skipped and r.feasible else ""
+    reason = (f"stop at {last_good.devices} devices: on {r.devices} {why}; cause: {cause}"
+              f"{_detail(r) if r.feasible else ''}{note}")
+    return ScalingReport(rows, hw_name, batch, threshold, last_good.devices, r.devices, cause, reason)
 
 
 def _cause(r: ScalingRow) -> str:
