@@ -103,7 +103,7 @@ def autoparallelize(model: nn.Module, example_inputs, *, mesh: Mesh | tuple | No
             schedule=schedule, virtual_stages=virtual_stages, example_kwargs=example_kwargs, loss_fn=loss_fn,
             verify=verify, device_type=device_type(), device=local_device(), broadcast=broadcast_plan,
             mixed_precision=mixed_precision, recompute=recompute, strategy=strategy, memory_budget=memory_budget,
-            optimizer=optimizer, time_limit=time_limit, baselines=bool(baselines))
+            optimizer=optimizer, time_limit=time_limit, baselines=bool(baselines), init_fn=init_fn)
     _reject_pipeline_options("autoparallelize", num_microbatches, schedule, virtual_stages)
     return parallelize_spmd(model, example_inputs, mesh=mesh, plan=plan, example_kwargs=example_kwargs,
                             loss_fn=loss_fn, strategy=strategy, memory_budget=memory_budget, optimizer=optimizer,

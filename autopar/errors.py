@@ -43,6 +43,10 @@ class PlanMismatchError(AutoparError):
     """A saved plan was made for another model, mesh or input shape."""
 
 
+class CheckpointError(AutoparError, ValueError):
+    """A checkpoint that does not fit the model (keys, shapes), or that cannot be read or written."""
+
+
 class SolverError(AutoparError):
     """The solver failed to return any plan (should not happen: a fallback plan always exists)."""
 

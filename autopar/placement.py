@@ -122,6 +122,27 @@ def local_shape(spec: Spec, shape: Sequence[int], axis_sizes: Sequence[int]) -> 
     return tuple(shape[d] // shard_factor(spec, d, axis_sizes) for d in range(len(shape)))
 
 
+def local_ranges(spec: Spec, shape: Sequence[int], coords: Sequence[int],
+                 axis_sizes: Sequence[int]) -> list[list[tuple[int, int]]]:
+    """Per dimension, the [start, stop) ranges of the global tensor that the device at `coords` holds,
+    in the order its local block stacks them: one range, or k for a strided shard (a block of each
+    piece). What a reader of one slice of a checkpoint needs (`autopar/runtime/safetensors_io.py`)."""
+    loc = local_shape(spec, shape, axis_sizes)
+    out = []
+    for d, n in enumerate(shape):
+        if loc[d] == n:
+            out.append([(0, n)])
+            continue
+        k = math.prod(pieces(p) for p in spec if kind(p) == "S" and p.dim == d)
+        offset, size = 0, n // k
+        for axis, p in enumerate(spec):   # nested chunks in mesh-axis order
+            if kind(p) == "S" and p.dim == d:
+                size //= axis_sizes[axis]
+                offset += coords[axis] * size
+        out.append([(j * (n // k) + offset, j * (n // k) + offset + size) for j in range(k)])
+    return out
+
+
 def local_fraction(spec: Spec, axis_sizes: Sequence[int]) -> float:
     """Fraction of the global tensor a device stores (Partial and Replicate store it whole)."""
     return 1.0 / math.prod(n for p, n in zip(spec, axis_sizes) if kind(p) == "S")

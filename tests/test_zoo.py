@@ -3,7 +3,9 @@
 For each family (tiny config, random weights, autopar/_testing/models.py ZOO_CASES) and world, autoparallelize plans
 and runs 3 AdamW steps under auto, zero3 and tp on a 1-D mesh; losses on every rank and the final
 parameters must equal one process (rtol 1e-4 / atol 1e-5), and the emitted collectives must be the
-plan's. The families of a group share one spawn of `world` ranks (dist_cases.run_each): starting 4 ranks
+plan's. At world 2 each run starts from other weights and loads the model's own with
+`pmodel.load_state_dict(model.state_dict())` (pretrained weights after parallelizing), its
+`state_dict()` has exactly the model's keys, and its full state dict loads into the model with strict=True. The families of a group share one spawn of `world` ranks (dist_cases.run_each): starting 4 ranks
 costs each of them seconds of imports. Families that do not work yet are left out here and listed by
 benchmarks/model_zoo.py.
 """
@@ -16,8 +18,10 @@ import autopar
 from autopar._testing import models
 from autopar._testing.dist_cases import (
     assert_matches,
+    assert_state_dicts,
     private_copy,
     run_each,
+    scramble,
     train_many,
     train_reference,
     weights_restored,
@@ -42,18 +46,23 @@ FAMILIES = ["mistral", "qwen2", "gemma", "gemma2", "phi", "gpt_neox", "opt", "op
 GROUPS = {"decoders": FAMILIES[:7], "rest": FAMILIES[7:12] + ["t5"], "moe": FAMILIES[12:]}
 
 
-def _first_gradients(rank, world, model, batch, kw):
-    """One autoparallelized step: the loss and every parameter's whole gradient. The jobs of one model
-    share the object (one pickle) and so its private copy: the capture cache traces it once per rank."""
+def _first_gradients(rank, world, model, batch, kw, pretrained):
+    """One autoparallelized step: the loss and every parameter's whole gradient (and the state-dict keys
+    and full state dict, for `assert_state_dicts`). The jobs of one model share the object (one pickle)
+    and so its private copy: the capture cache traces it once per rank."""
     from autopar import autoparallelize
     args, kwargs = batch
     model = private_copy(model)
     with weights_restored(model):
+        weights = scramble(model) if pretrained else None
         pmodel = autoparallelize(model, tuple(args) + ((kwargs,) if kwargs else ()), verify=rank == 0,
                                  baselines=False, **kw)
+        if pretrained:
+            pmodel.load_state_dict(weights)
         loss = pmodel.train_step(*args, **kwargs).item()
+        state = {"state_keys": sorted(pmodel.state_dict()), "state": pmodel.full_state_dict()}
     return loss, {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                  for n, p in pmodel.named_parameters()}
+                  for n, p in pmodel.named_parameters()}, state
 
 
 def _check_first_step(results, model, batch, label) -> None:
@@ -66,33 +75,43 @@ def _check_first_step(results, model, batch, label) -> None:
     model.zero_grad()
     want_loss = model(*args, **kwargs).loss
     want_loss.backward()
-    for loss, grads in results:
+    for loss, grads, _ in results:
         torch.testing.assert_close(torch.tensor(loss), want_loss.detach(), rtol=1e-5, atol=1e-6)
         for name, p in model.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{label} {name}: {m}")
+
+
+def _check_state_dict(results, model, label) -> None:
+    """T5's run (_first_gradients): its state-dict keys and full state dict, as assert_state_dicts checks."""
+    assert_state_dicts([[state] for _, _, state in results], model, [label])
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_families_match_single_process(group, world):
     """Every family of the group, auto / zero3 / tp at `world`, in one spawn; every failure is reported."""
-    names, jobs, checks = GROUPS[group], [], []
+    names, jobs, checks = GROUPS[group], [], []   # checks: (job index, label, check, *args)
+    pretrained = world == 2
     for name in names:
         case = models.ZOO_CASES[name]()
         batches = models.zoo_batches(case, STEPS)
         if name == "t5":  # see _check_first_step
             for kw in KWS:
-                jobs.append((_first_gradients, case.model, batches[0], kw))
-                checks.append((f"t5 world={world} {kw}", _check_first_step, case.model, batches[0],
-                               f"t5 world={world} {kw} first step"))
+                jobs.append((_first_gradients, case.model, batches[0], kw, pretrained))
+                label = f"t5 world={world} {kw}"
+                checks.append((len(jobs) - 1, label, _check_first_step, case.model, batches[0], f"{label} first step"))
+                if pretrained:
+                    checks.append((len(jobs) - 1, f"{label} state dict", _check_state_dict, case.model, label))
             continue
         ref_losses, ref_state = train_reference(case.model, batches, STEPS)
-        jobs.append((train_many, case.model, batches, STEPS, KWS))
-        checks.append((f"{name} world={world}", assert_matches, ref_losses, ref_state,
-                       [f"{name} world={world} {kw}" for kw in KWS]))
+        jobs.append((train_many, case.model, batches, STEPS, KWS, pretrained))
+        labels = [f"{name} world={world} {kw}" for kw in KWS]
+        checks.append((len(jobs) - 1, f"{name} world={world}", assert_matches, ref_losses, ref_state, labels))
+        if pretrained:
+            checks.append((len(jobs) - 1, f"{name} world={world} state dicts", assert_state_dicts, case.model, labels))
     results = run_distributed(run_each, world, jobs, timeout=1800)
     failures = []
-    for j, (label, check, *args) in enumerate(checks):  # check(the job's result on every rank, *args)
+    for j, label, check, *args in checks:  # check(the job's result on every rank, *args)
         per_rank = [r[j] for r in results]
         errors = [f"rank {rank}: {e}" for rank, e in enumerate(per_rank) if isinstance(e, str)]
         try:

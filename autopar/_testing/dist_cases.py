@@ -77,15 +77,30 @@ def weights_restored(model):
                 t.copy_(value)
 
 
-def train_parallel(rank, world, model, batches, steps, kw, *, copy_model: bool = True):
+def scramble(model) -> dict:
+    """Move `model`'s parameters away from their values (the same way on every rank); returns its state
+    dict before, as plain tensors: the "pretrained" weights a parallelized module then loads."""
+    pretrained = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5).add_(0.01)
+    return pretrained
+
+
+def train_parallel(rank, world, model, batches, steps, kw, *, copy_model: bool = True, pretrained: bool = False):
     """autoparallelize + AdamW for `steps` steps; returns what the tests compare. `copy_model=False`
-    parallelizes `model` itself (its weights may move: see `weights_restored`)."""
+    parallelizes `model` itself (its weights may move: see `weights_restored`). `pretrained`: parallelize
+    it with other weights, then load its own with `load_state_dict` (the unmodified model's plain tensors)."""
     from autopar import autoparallelize
     args, kwargs = batches[0]
     example = tuple(args) + ((kwargs,) if kwargs else ())
+    model = copy.deepcopy(model) if copy_model else model
+    weights = scramble(model) if pretrained else None
     # the IR checks run no collective and every rank's local shapes are the same: rank 0 checks for all
-    pmodel = autoparallelize(copy.deepcopy(model) if copy_model else model, example, verify=rank == 0,
-                             baselines=False, **kw)
+    pmodel = autoparallelize(model, example, verify=rank == 0, baselines=False, **kw)
+    state_keys = sorted(pmodel.state_dict())
+    if pretrained:
+        pmodel.load_state_dict(weights)   # strict, as torch's
     losses, opt = train_steps(pmodel, batches, steps)
     memory = {"params": sum(_local_bytes(p) for p in pmodel.parameters()),   # sizes are fixed after step 0
               "buffers": sum(_local_bytes(b) for b in pmodel.buffers()),
@@ -94,17 +109,31 @@ def train_parallel(rank, world, model, batches, steps, kw, *, copy_model: bool =
     emitted = Counter((c["kind"], c["phase"]) for c in emitted_collectives(pmodel.gm))
     state = {k: v.clone() for k, v in pmodel.full_state_dict().items()}  # replicated ones are the model's tensors
     return {"losses": losses, "state": state, "plan": pmodel.plan.to_json(),
-            "emitted": dict(emitted), "memory": memory}
+            "emitted": dict(emitted), "memory": memory, "state_keys": state_keys}
 
 
-def train_many(rank, world, model, batches, steps, kws):
+def train_many(rank, world, model, batches, steps, kws, pretrained: bool = False):
     """train_parallel under each of `kws`, all on one private copy of `model` (its weights restored after
     each run): autopar's capture cache then traces it once per rank, not once per run."""
     model, out = private_copy(model), []
     for kw in kws:
         with weights_restored(model):
-            out.append(train_parallel(rank, world, model, batches, steps, kw, copy_model=False))
+            out.append(train_parallel(rank, world, model, batches, steps, kw, copy_model=False,
+                                      pretrained=pretrained))
     return out
+
+
+def assert_state_dicts(results, model, labels) -> None:
+    """Each run's `pmodel.state_dict()` had exactly `model.state_dict()`'s keys on every rank, and its full
+    state dict loads into a fresh copy of the unmodified model with strict=True."""
+    want = sorted(model.state_dict())
+    for i, label in enumerate(labels):
+        for rank, result in enumerate(results):
+            assert result[i]["state_keys"] == want, (label, rank, set(result[i]["state_keys"]) ^ set(want))
+        try:
+            copy.deepcopy(model).load_state_dict(results[0][i]["state"], strict=True)
+        except RuntimeError as e:   # torch's key and size errors: a failed check, reported with the others
+            raise AssertionError(f"{label}: {e}") from None
 
 
 def run_each(rank, world, jobs):

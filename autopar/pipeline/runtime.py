@@ -22,7 +22,10 @@ cost the memory ZeRO saves.
 `train_step(*inputs)` returns the mean loss over the micro-batches (the full-batch loss for a mean
 loss) on every rank and leaves gradients, averaged over micro-batches, in p.grad for
 optimizer.step(). Calling the module (`pmodel(*inputs)`) is a forward-only evaluation: the loss, no
-gradients. The model must hold real tensors (a meta-device model is not materialised here yet).
+gradients. A meta-device model is materialised module by module (`autopar.runtime.materialize`), each
+rank keeping only its stages' shards. `state_dict()` holds this rank's tensors under the model's keys
+(`autopar.runtime.state`); `load_state_dict` takes the model's full state dict (each rank keeps its
+stages' part); `load_safetensors` / `save_safetensors` read and write pretrained weights.
 """
 from __future__ import annotations
 
@@ -46,9 +49,9 @@ from autopar.passes.split_stages import StageProgram, split_stages
 from autopar.pipeline import planning as pp
 from autopar.plan import Plan
 from autopar.planning.spmd import fingerprint
-from autopar.runtime import checkpoint
-from autopar.runtime.materialize import is_meta
-from autopar.runtime.tensors import distinct, is_unit_seed, local_slice, set_tensor
+from autopar.runtime import checkpoint, safetensors_io, state
+from autopar.runtime.materialize import model_tensors
+from autopar.runtime.tensors import distinct, get_tensor, is_unit_seed, local_slice, set_tensor
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 MULTI_STAGE = ("interleaved_1f1b",)   # schedules that take a list of this rank's PipelineStages
@@ -59,13 +62,10 @@ def parallelize_pipelined(model: nn.Module, example_inputs: tuple, *, mesh: Mesh
                           example_kwargs=None, loss_fn=None, verify: bool = False, device_type: str = "cpu",
                           device: str = "cpu", broadcast=None, mixed_precision=None, recompute=None,
                           strategy="auto", memory_budget=None, optimizer: str = "adamw", time_limit=None,
-                          baselines: bool = False) -> "PipelinedModule":
+                          baselines: bool = False, init_fn=None) -> "PipelinedModule":
     """The pipelined branch of `autopar.autoparallelize` (called with the resolved mesh of the world)."""
     if mixed_precision is not None or recompute not in (None, "none"):
         raise InputError("mixed_precision and recompute are not supported with pipelined plans yet")
-    if is_meta(model):
-        raise InputError("a pipelined plan needs a model with real tensors (meta-device models are not "
-                         "materialised per stage yet)")
     if plan is not None and num_stages is None:
         num_stages = plan.mesh.shape[0]
     mesh = plan.mesh if plan is not None else pp.pipeline_mesh(mesh, num_stages)
@@ -97,7 +97,8 @@ def parallelize_pipelined(model: nn.Module, example_inputs: tuple, *, mesh: Mesh
     gm = defer_grad_reductions_pass(gm, ctx)   # gradient all-reduces: once per step, in train_step
     units = [list(s.modules) for s in plan.stages]
     programs = split_stages(gm, units, [u for s in units for u in s], list(captured.grad_param_names))
-    return PipelinedModule(model, captured, plan, programs, device_mesh, sub_dm, coords, stage_plan, device)
+    return PipelinedModule(model, captured, plan, programs, device_mesh, sub_dm, coords, stage_plan, device,
+                           init_fn=init_fn)
 
 
 class _StageFn(torch.autograd.Function):
@@ -181,7 +182,7 @@ class PipelinedModule(nn.Module):
     registered, each once (optimizers see them)."""
 
     def __init__(self, model, captured, plan: Plan, programs: list[StageProgram], device_mesh, sub_dm, coords,
-                 stage_plan: Plan, device: str):
+                 stage_plan: Plan, device: str, init_fn=None):
         super().__init__()
         self.plan = plan
         checkpoint.register_hooks(self)  # strided shards leave state_dict() as plain shards (DCP-savable)
@@ -190,13 +191,16 @@ class PipelinedModule(nn.Module):
         self._pp_rank, self._num_ranks = coords[0], plan.mesh.shape[0]
         self._chunks = list(range(self._pp_rank, len(programs), self._num_ranks))   # chunks d, d+p, ...
         self._per_stage = device_mesh.size() // self._num_ranks
-        self._m, self._device, self._tied = plan.num_microbatches, torch.device(device), dict(captured.tied)
+        self._m, self._device = plan.num_microbatches, torch.device(device)
         self._input_names = list(captured.input_names)
         inputs = captured.placeholders("input")
         self._input_specs = [parse_spec(stage_plan.nodes[n.name].outs[0]) for n in inputs]
         self._input_shapes = [(int(n.meta[VAL].shape[0]) * self._m, *n.meta[VAL].shape[1:]) for n in inputs]
         self._coords = coords[1:]
-        params, buffers = self._distribute(model, captured, [programs[k] for k in self._chunks], stage_plan)
+        names = [*captured.param_names, *captured.buffer_names]
+        self._state, self._owner = state.state_entries(model, names), _owners(programs, self._num_ranks, names)
+        params, buffers = self._distribute(model, captured, [programs[k] for k in self._chunks], stage_plan, init_fn)
+        state.install(self, self._state)   # state_dict(): the model's keys this rank holds; loads the model's
         last = len(programs) - 1
         object.__setattr__(self, "_stages", [_StageModule(programs[k], params, buffers, k == last, sub_dm)
                                              for k in self._chunks])
@@ -210,20 +214,24 @@ class PipelinedModule(nn.Module):
                                                    loss_fn=_loss_is_output, scale_grads=False)
         object.__setattr__(self, "_schedule", schedule)
 
-    def _distribute(self, model, captured, programs: list[StageProgram], stage_plan: Plan) -> tuple[dict, dict]:
-        """This rank's parameters and buffers (those its programs read), each distributed once."""
-        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    def _distribute(self, model, captured, programs: list[StageProgram], stage_plan: Plan,
+                    init_fn) -> tuple[dict, dict]:
+        """This rank's parameters and buffers (those its programs read, and those it owns: `_owners`), each
+        distributed once over the sub-mesh; a meta-device model materialised module by module."""
+        buffer_nodes = {n.meta[NAME]: n.name for n in captured.placeholders("buffer")}
+        mine = {n for prog in programs for n in [*prog.params, *prog.buffers]}
+        mine |= {n for n, owner in self._owner.items() if owner == self._pp_rank}
+        specs = {n: list(parse_spec(stage_plan.params[n].master)) for n in captured.param_names if n in mine}
+        specs.update({n: list(parse_spec(stage_plan.nodes[buffer_nodes[n]].outs[0]))
+                      for n in captured.buffer_names if n in mine})
+        grad = {n: p.requires_grad for n, p in model.named_parameters()}
+        persistent = {n for e in self._state for n in e.names}
         params, buffers = {}, {}
-        for name in sorted({n for prog in programs for n in prog.params}):
-            spec = list(parse_spec(stage_plan.params[name].master))
-            dt = distribute_tensor(tensors[name].detach(), self.sub_mesh, spec)
-            params[name] = nn.Parameter(dt, requires_grad=tensors[name].requires_grad)
-            set_tensor(self, name, params[name], param=True)
-        buffer_specs = {n.meta[NAME]: n.name for n in captured.placeholders("buffer")}
-        for name in sorted({n for prog in programs for n in prog.buffers}):
-            spec = list(parse_spec(stage_plan.nodes[buffer_specs[name]].outs[0]))
-            buffers[name] = distribute_tensor(tensors[name].detach(), self.sub_mesh, spec)
-            set_tensor(self, name, buffers[name], param=False)
+        for name, full in model_tensors(model, sorted(specs, key=lambda n: (n not in grad, n)), init_fn, self._device):
+            dt = distribute_tensor(full, self.sub_mesh, specs[name])
+            table = params if name in grad else buffers
+            table[name] = nn.Parameter(dt, requires_grad=grad[name]) if name in grad else dt
+            set_tensor(self, name, table[name], param=name in grad, persistent=name in persistent)
         return params, buffers
 
     def _pipeline_stage(self, program: StageProgram, module, index: int, num_chunks: int, sub_dm) -> PipelineStage:
@@ -305,19 +313,44 @@ class PipelinedModule(nn.Module):
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every stage's parameters and buffers, unsharded, under the model's names (tied names too)."""
-        mine = {}
-        for name, t in sorted([*self.named_parameters(), *self.named_buffers()]):
-            mine[name] = t.full_tensor().detach()
+        """`model.state_dict()` of the unmodified model, every stage's tensors unsharded (tied keys too), on
+        every rank: a collective. It loads into the model with `strict=True`."""
+        mine = state.full_tensors(self, [e for e in self._state if self._owner[e.name] == self._pp_rank])
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
-        out = {}
-        for part in everyone:
-            out.update(part)
-        for name, aliases in self._tied.items():
-            for alias in aliases:
-                out[alias] = out[name]
-        return out
+        merged = {k: v for part in everyone for k, v in part.items()}
+        return {n: merged[n] for e in self._state for n in e.names}
+
+    def load_safetensors(self, path, *, strict: bool = True) -> None:
+        """Pretrained weights from safetensors, each rank reading its slices; see `ParallelModule.load_safetensors`."""
+        safetensors_io.load(self, self._state, path, strict=strict)
+
+    def save_safetensors(self, path, *, max_shard_bytes: int | None = None) -> None:
+        """The unsharded model in safetensors, streamed by rank 0; see `ParallelModule.save_safetensors`."""
+        safetensors_io.save(self._state, self._gather, path, max_shard_bytes=max_shard_bytes)
+
+    def _gather(self, entry: state.StateEntry) -> torch.Tensor | None:
+        """One unsharded tensor on rank 0: all-gathered on the sub-mesh of the pipeline rank owning it, then
+        sent to rank 0 from that sub-mesh's first rank."""
+        owner = self._owner[entry.name]
+        src, rank = owner * self._per_stage, dist.get_rank()
+        full = get_tensor(self, entry.name).full_tensor().detach() if self._pp_rank == owner else None
+        if src != 0 and rank == src:
+            dist.send(full.contiguous(), 0)
+        elif src != 0 and rank == 0:
+            full = torch.empty(entry.shape, dtype=entry.dtype, device=self._device)
+            dist.recv(full, src)
+        return full if rank == 0 else None
+
+
+def _owners(programs: list[StageProgram], num_ranks: int, names: list[str]) -> dict[str, int]:
+    """The pipeline rank that owns each parameter or buffer in a state dict: the lowest whose chunks read
+    it (a tied one lives on each that reads it), rank 0 for one no program reads (an unused pooler)."""
+    owner: dict[str, int] = {}
+    for prog in programs:
+        for n in [*prog.params, *prog.buffers]:
+            owner[n] = min(owner.get(n, num_ranks), prog.index % num_ranks)
+    return {n: owner.get(n, 0) for n in names}
 
 
 def _examples(program: StageProgram, names: list[str], sub_dm, device) -> tuple:

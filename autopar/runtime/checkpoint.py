@@ -35,7 +35,7 @@ def unstrided(t):
 
 def restrided(value, like):
     """`value` in the layout of `like` where `like` is strided (the inverse of `unstrided`)."""
-    if not _has_strided(like) or not isinstance(value, DTensor):
+    if not _has_strided(like) or not isinstance(value, DTensor) or value.placements == like.placements:
         return value
     mesh = like.device_mesh
     full = value.redistribute(mesh, [Replicate() if is_strided(p) else p for p in like.placements])
@@ -68,7 +68,7 @@ def state_dict_post_hook(module, state: dict, prefix: str, local_metadata) -> No
 
 def load_state_dict_pre_hook(module, state: dict, prefix: str, *args) -> None:
     """nn.Module load hook: plain-shard entries of strided parameters turned back into their layout."""
-    own = {prefix + name: t for name, t in module.named_parameters()}
+    own = {prefix + name: t for name, t in module.named_parameters(remove_duplicate=False)}  # tied keys too
     for key, like in own.items():
         if key in state and _has_strided(like.data if isinstance(like, torch.nn.Parameter) else like):
             state[key] = restrided(state[key], like.data)

@@ -25,6 +25,20 @@ def is_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in model.parameters())
 
 
+def model_tensors(model: nn.Module, wanted: list[str], init_fn: Callable | None = None, device="cpu"
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full value) for each name of `wanted` (one name per tensor): a meta-device model's built
+    module by module (`stream_tensors`, in its order), a real model's own, in `wanted`'s order."""
+    if is_meta(model):
+        for names, tensor in stream_tensors(model, init_fn, device=device):
+            for name in [n for n in names if n in wanted][:1]:   # the wanted name of a tied tensor
+                yield name, tensor
+        return
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for name in wanted:
+        yield name, tensors[name].detach()
+
+
 def _post_order(model: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
     for name, child in model.named_children():
         yield from _post_order(child, f"{prefix}{name}.")

@@ -26,7 +26,7 @@ from autopar.passes import PassContext, run_passes
 from autopar.passes.context import parse_spec
 from autopar.plan import Plan
 from autopar.planning.spmd import fingerprint, plan_captured
-from autopar.runtime import checkpoint
+from autopar.runtime import checkpoint, safetensors_io, state
 from autopar.runtime.launch import broadcast_plan, device_type, local_device
 from autopar.runtime.materialize import is_meta, stream_tensors
 from autopar.runtime.tensors import distinct, get_tensor, is_unit_seed, local_slice, owner_of, set_tensor
@@ -106,6 +106,8 @@ class ParallelModule(nn.Module):
         self._specs = {name: parse_spec(plan.params[name].master) for name in self._param_names}
         for node, name in zip(captured.placeholders("buffer"), self._buffer_names):
             self._specs[name] = parse_spec(plan.nodes[node.name].outs[0])
+        self._state = state.state_entries(model, self._specs)   # model.state_dict()'s tensors, tied keys grouped
+        self._persistent = frozenset(n for entry in self._state for n in entry.names)
         if is_meta(model):  # one module at a time: no rank ever holds the whole model
             for names, tensor in stream_tensors(model, init_fn, device=ctx.device):
                 for name in names:
@@ -120,13 +122,14 @@ class ParallelModule(nn.Module):
         # call (the step_time GPT's 52 parameters: 0.48 ms a step)
         self._param_owners = [owner_of(self, n) for n in self._param_names]
         self._buffer_owners = [owner_of(self, n) for n in self._buffer_names]
+        state.install(self, self._state)  # state_dict() keys = the model's; load_state_dict() takes its tensors
 
     def _place(self, name: str, full: torch.Tensor, requires_grad: bool) -> None:
         dt = distribute_tensor(full.detach(), self.device_mesh, list(self._specs[name]))
         if name in self._param_names:
             set_tensor(self, name, nn.Parameter(dt, requires_grad=requires_grad), param=True)
         else:
-            set_tensor(self, name, dt, param=False)
+            set_tensor(self, name, dt, param=False, persistent=name in self._persistent)
 
     # ------------------------------------------------------------------ running
     def grads_by_param(self, grads) -> list:
@@ -197,13 +200,25 @@ class ParallelModule(nn.Module):
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded parameters and buffers under the original model's names (tied names included)."""
-        out = {}
-        for name in self._param_names + self._buffer_names:
-            full = get_tensor(self, name).full_tensor().detach()
-            out[name] = full
-            for alias in self._tied.get(name, ()):
-                out[alias] = full
-        return out
+        """`model.state_dict()` of the unmodified model, unsharded (tied keys included): a collective, every
+        rank takes part and gets it. It loads into the model with `strict=True`."""
+        return state.full_tensors(self, self._state)
 
+    def load_safetensors(self, path, *, strict: bool = True) -> None:
+        """Load pretrained weights from a safetensors file, or a folder transformers' `save_pretrained` wrote
+        (one file or shards with `model.safetensors.index.json`): each rank reads only its own slices
+        (`autopar/runtime/safetensors_io.py`). `strict`: the file's keys must be the model's (tied keys may
+        be missing, as transformers saves them once). A model built on the meta device loads too; build a
+        transformers one with `autoparallelize(..., init_fn=model._init_weights)`: buffers no checkpoint
+        holds (rotary tables) come from its init, which the default init_fn does not know."""
+        safetensors_io.load(self, self._state, path, strict=strict)
 
+    def save_safetensors(self, path, *, max_shard_bytes: int | None = None) -> None:
+        """Write the unsharded model in safetensors form as transformers' `save_pretrained` does (one file, or
+        shards of at most `max_shard_bytes` and an index), streamed by rank 0 one tensor at a time. A
+        collective: every rank calls it. `path`: a folder, or a `.safetensors` file (no sharding)."""
+        safetensors_io.save(self._state, self._gather, path, max_shard_bytes=max_shard_bytes)
+
+    def _gather(self, entry: state.StateEntry) -> torch.Tensor:
+        """One unsharded tensor (a collective over the mesh: every rank gets it; the writer, rank 0, keeps it)."""
+        return get_tensor(self, entry.name).full_tensor().detach()

@@ -28,8 +28,9 @@ def local_slice(x: torch.Tensor, spec, coords, axis_sizes) -> torch.Tensor:
     return x
 
 
-def set_tensor(root: nn.Module, fqn: str, value, *, param: bool) -> None:
-    """Register `value` as parameter or buffer `fqn` of `root`, making empty modules on the way."""
+def set_tensor(root: nn.Module, fqn: str, value, *, param: bool, persistent: bool = True) -> None:
+    """Register `value` as parameter or buffer `fqn` of `root`, making empty modules on the way
+    (`persistent=False`: a buffer left out of the state dict, as the model keeps it)."""
     *path, leaf = fqn.split(".")
     mod = root
     for part in path:
@@ -39,7 +40,7 @@ def set_tensor(root: nn.Module, fqn: str, value, *, param: bool) -> None:
     if param:
         mod.register_parameter(leaf, value)
     else:
-        mod.register_buffer(leaf, value)
+        mod.register_buffer(leaf, value, persistent=persistent)
 
 
 def owner_of(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
