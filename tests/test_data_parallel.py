@@ -30,7 +30,7 @@ def _layout(specs, coords, sizes, shapes=None, microbatches=1) -> BatchLayout:
 
 def test_batch_axes_rank_and_size():
     # dp x tp, tokens split on dp only: the two tp ranks of a dp row read one slice
-    assert [(l.axes, l.rank, l.size) for l in (_layout([(S0, R), (S0, S1)], c, (2, 2)) for c in
+    assert [(b.axes, b.rank, b.size) for b in (_layout([(S0, R), (S0, S1)], c, (2, 2)) for c in
                                                  ((0, 0), (0, 1), (1, 0), (1, 1)))] == [((0,), 0, 2), ((0,), 0, 2),
                                                                                         ((0,), 1, 2), ((0,), 1, 2)]
     # the batch split on both axes: four slices, the first axis outermost

@@ -15,7 +15,7 @@ A rank passes either
     rank order. Under a pipeline of m micro-batches, rank r's slice stands for its r-th part of each
     micro-batch, in micro-batch order: slice k of m of what it passes is its part of micro-batch k.
 Which of the two is decided by the rows: the plan's global batch size or the slice's (the same when
-`data_parallel_size` is 1). Inputs whose first dimension is not the batch (or that nothing splits) are
+`data_parallel_size` is 1); every rank must feed the same way (a rank cannot see how the others do). Inputs whose first dimension is not the batch (or that nothing splits) are
 passed whole. An input the plan lays out unlike the slices (labels planned whole because every rank
 counts the valid targets of the whole batch, say) is all-gathered from the slices over the
 data-parallel axes (one all-gather of that input per step), then cut as planned.
