@@ -4,12 +4,15 @@
     torchrun --nproc_per_node 2 examples/train_gpt.py --strategy zero3
     python examples/train_gpt.py --steps 50                           # a world of one, no torchrun
 
-Every rank passes the same global batch (the same seeded generator on every rank); autopar keeps
-each rank's planned slice. Rank 0 prints the plan once, then the loss every `--log-every` steps.
+Each rank loads only its own slice of every global batch: a DataLoader whose DistributedSampler is built
+from the module's data-parallel rank and size (`pmodel.distributed_sampler`; ranks that differ only on a
+tensor-parallel axis read the same slice, and under a pipeline only the first stage's ranks load data).
+Rank 0 prints the plan once, then the loss every `--log-every` steps.
 `--checkpoint-every K --checkpoint-dir D` saves model and optimizer state with
 torch.distributed.checkpoint (sharded: every rank writes its own DTensor shards) and resumes from
 the newest checkpoint in D when one exists — also under another strategy or world size (DCP
-reshards the saved DTensors into the new plan's placements).
+reshards the saved DTensors into the new plan's placements; every step's global batch is the same set
+of windows whatever the world size, so a resumed run sees the batches the uninterrupted one saw).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.utils.data import DataLoader, Dataset
 
 HERE = Path(__file__).resolve().parent
 
@@ -39,7 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="pipeline stages (an int >= 2 forces a pipeline; 'auto' searches pp x dp x tp)")
     p.add_argument("--schedule", default=None, help="pipeline schedule: gpipe | 1f1b (default 1f1b)")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=16, help="global batch (split across ranks by the plan)")
+    p.add_argument("--batch", type=int, default=16,
+                   help="global batch; each rank loads batch / data-parallel size of it")
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
@@ -62,8 +67,8 @@ def _stages(text: str):
     return text if text == "auto" else int(text)
 
 
-class CharData:
-    """Character-level tokens of a text file; `batch(gen)` draws random windows (x, y = x shifted)."""
+class CharData(Dataset):
+    """Character-level tokens of a text file; item i is the window at offset i: (x, y = x shifted by one)."""
 
     def __init__(self, path: str, block: int):
         text = Path(path).read_text(encoding="utf-8")
@@ -76,11 +81,29 @@ class CharData:
     def vocab_size(self) -> int:
         return len(self.chars)
 
-    def batch(self, gen: torch.Generator, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(0, len(self.tokens) - self.block - 1, (size,), generator=gen)
-        x = torch.stack([self.tokens[s:s + self.block] for s in starts])
-        y = torch.stack([self.tokens[s + 1:s + 1 + self.block] for s in starts])
-        return x, y
+    def __len__(self) -> int:
+        return len(self.tokens) - self.block
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tokens[i:i + self.block], self.tokens[i + 1:i + 1 + self.block]
+
+
+def rank_batches(data: CharData, pmodel, args, start: int):
+    """This rank's slice of every global batch from step `start` on: a DataLoader of
+    `batch / data_parallel_size` windows drawn by the module's DistributedSampler, reshuffled each epoch
+    (`set_epoch`); a resumed run skips the steps already taken. Yields None on ranks that feed nothing."""
+    if not pmodel.needs_inputs:   # a later pipeline stage: its inputs arrive from the previous stage
+        while True:
+            yield None
+    sampler = pmodel.distributed_sampler(data, shuffle=True, seed=args.seed)
+    loader = DataLoader(data, batch_size=args.batch // pmodel.data_parallel_size, sampler=sampler, drop_last=True)
+    epoch, skip = divmod(start, len(loader))
+    while True:
+        sampler.set_epoch(epoch)
+        for i, batch in enumerate(loader):
+            if i >= skip:
+                yield batch
+        epoch, skip = epoch + 1, 0
 
 
 def describe_plan(plan) -> str:
@@ -134,13 +157,16 @@ def setup(args):
     config = GPTConfig(vocab_size=data.vocab_size, block_size=args.block, n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd, dropout=0.0)
     model = GPT(config)
-    example = data.batch(torch.Generator().manual_seed(args.seed), args.batch)
+    x, y = zip(*(data[i] for i in range(args.batch)))
+    example = (torch.stack(x), torch.stack(y))  # the global batch's shapes: what the plan splits
     pmodel = autoparallelize(model, example, strategy=args.strategy, num_stages=args.num_stages,
                              schedule=args.schedule)
     log = print if dist.get_rank() == 0 else (lambda *a, **k: None)
     log(f"world {dist.get_world_size()}, vocab {data.vocab_size}, {len(data.tokens)} tokens, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     log(describe_plan(pmodel.plan))
+    log(f"data: each rank loads {args.batch // pmodel.data_parallel_size} of the {args.batch} windows of a step "
+        f"(data_parallel_size {pmodel.data_parallel_size})")
     opt = torch.optim.AdamW(pmodel.parameters(), lr=args.lr, weight_decay=0.0)
     start, ckpt = 0, latest_checkpoint(args.checkpoint_dir)
     if ckpt is not None:
@@ -160,15 +186,13 @@ def main(argv=None) -> list[float]:
     """Trains, returns this rank's losses (the same on every rank)."""
     args = parse_args(argv)
     data, pmodel, opt, start, log = setup(args)
-    gen = torch.Generator().manual_seed(args.seed)
-    for _ in range(start):  # replay the generator so a resumed run sees the same batches
-        data.batch(gen, args.batch)
+    batches = rank_batches(data, pmodel, args, start)
     losses, t0 = [], time.perf_counter()
     for step in range(start, args.steps):
         _maybe_fail(args, step)
-        x, y = data.batch(gen, args.batch)
+        batch = next(batches)
         opt.zero_grad(set_to_none=True)
-        losses.append(pmodel.train_step(x, y).item())
+        losses.append(pmodel.train_step(*(batch or ())).item())
         opt.step()
         if step % args.log_every == 0 or step == args.steps - 1:
             ms = (time.perf_counter() - t0) / len(losses) * 1e3

@@ -60,6 +60,9 @@ def test_train_gpt_loss_falls(world, tmp_path):
     assert final == losses[29] and final < losses[0] - 0.5, out
     assert len(re.findall(r"^world \d+, vocab", out, re.M)) == 1, "rank 0 alone prints"
     assert "step time" in out, "the plan summary is printed"
+    # each rank's DataLoader draws its data-parallel slice: auto's plan at world 2 splits the batch of 8
+    loads = int(re.search(r"^data: each rank loads (\d+) of the 8 windows", out, re.M).group(1))
+    assert loads == (4 if world == 2 else 8), out
     assert (tmp_path / "final.pt").exists()
 
 

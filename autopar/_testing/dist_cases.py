@@ -17,7 +17,9 @@ LR, EPS = 1e-3, 1e-6
 
 
 def _loss(out):
-    return out if isinstance(out, torch.Tensor) else out.loss
+    """The loss in a model's output, by the conventions capture reads (a tensor, .loss, (logits, loss), ...)."""
+    from autopar.capture.loss import extract_loss
+    return extract_loss(out)
 
 
 def train_reference(model, batches, steps: int):

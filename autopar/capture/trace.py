@@ -2,8 +2,10 @@
 
 Steps (each a function below):
   1. check the inputs and name them from the model's `forward` signature;
-  2. wrap the model so it returns a scalar loss (`.loss`, `["loss"]`, `[0]`, or `loss_fn`);
-  3. `torch.export` (non-strict) the wrapper: gets past Python control flow in HF mask code;
+  2. wrap the model so it returns a scalar loss (`autopar/capture/loss.py`: a tensor, `.loss`, `["loss"]`,
+     the one scalar of a tuple such as `(logits, loss)`, or `loss_fn`);
+  3. `torch.export` (non-strict) the wrapper: gets past Python control flow in HF mask code; every
+     config's `use_cache` is off meanwhile, at any depth (`autopar/capture/no_cache.py`);
   4. retrace the exported graph under `grad_and_value` + `functionalize` with `make_fx`, on fake
      tensors (meta parameters are treated as CPU ones, so nothing is allocated and kernel choice
      such as CPU flash attention matches a real run), decomposing to core ATen;
@@ -38,8 +40,11 @@ import torch.nn as nn
 from autopar import _torch_compat as compat
 from autopar.capture import cache as capture_cache  # `cache` is capture()'s option
 from autopar.capture import moe_rewrite, stamp, trace_errors
+from autopar.capture.loss import LossModule
+from autopar.capture.meta_export import export_meta
+from autopar.capture.no_cache import caches_off
 from autopar.capture.precision import MixedPrecision, autocast_forward
-from autopar.errors import InputError, NoLossError
+from autopar.errors import InputError
 from autopar.graph import MODULE_PATH, NAME, PHASE, ROLE, UNSCOPED, VAL, ancestors
 
 log = logging.getLogger(__name__)
@@ -114,8 +119,8 @@ def capture(
 
     `example_inputs` is a tuple of tensors passed positionally (a trailing dict is taken as keyword
     arguments, like `example_kwargs`). The model must return a scalar loss (a tensor, an object
-    with `.loss`, a dict with "loss" or a tuple whose first item is the loss) or `loss_fn(output,
-    *example_inputs)` must compute it. Parameters may live on the meta device: nothing is allocated.
+    with `.loss`, a dict with "loss" or a tuple/list with exactly one scalar floating item, such as
+    `(logits, loss)`) or `loss_fn(output, *example_inputs)` must compute it. Parameters may live on the meta device: nothing is allocated.
     A stack of alike layers is traced three layers deep and stamped out (`autopar/capture/stamp.py`);
     `stamp_layers=False` traces every layer. `mixed_precision` traces the forward under autocast
     (`autopar.capture.precision`): the graph holds autocast's casts, parameters stay fp32.
@@ -166,10 +171,12 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable | No
     input_names, flat_inputs, call = _bind_inputs(traced, args, kwargs)
     params, tied = _unique_tensors(traced.named_parameters(remove_duplicate=False))
     buffers, buffer_ties = _unique_tensors(traced.named_buffers(remove_duplicate=False))
-    wrapper = _LossModule(traced, call, loss_fn, len(args))               # 2. model -> loss
+    wrapper = LossModule(traced, call, loss_fn, len(args))                # 2. model -> loss (loss.py)
     on_meta = any(t.is_meta for t in [*params.values(), *buffers.values()])
-    export_inputs = tuple(t.to("meta") if on_meta else t for t in flat_inputs)  # one device for export
-    exported = trace_errors.traced(lambda: compat.export_graph(wrapper, export_inputs))  # 3. export
+    export = (lambda: export_meta(wrapper, traced, tuple(flat_inputs))) if on_meta else (  # meta: as fake CPU
+        lambda: compat.export_graph(wrapper, tuple(flat_inputs)))
+    with caches_off(traced):                                              # no KV cache at any depth
+        exported = trace_errors.traced(export, wrapper)                   # 3. export
     trace_errors.check_inputs_not_mutated(exported, input_names)
     _retarget_meta_to_cpu(exported)
     moe_rewrite.use_traceable_experts(exported)                           # MoE grouped matmul (moe_rewrite.py)
@@ -179,7 +186,8 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable | No
     joint = _TracedStep(exported, list(params), list(buffers), grad_names, aliases, mixed_precision)
     mode = compat.FakeTensorMode(allow_non_fake_inputs=True)              # tensor constants stay real
     flat = [_to_fake(t, mode) for t in [*params.values(), *buffers.values(), *flat_inputs]]
-    gm = trace_errors.traced(lambda: compat.trace_joint(joint, flat, decompose))      # 4. joint fwd+bwd
+    gm = trace_errors.traced(lambda: compat.trace_joint(joint, flat, decompose), wrapper,  # 4. joint fwd+bwd
+                             node=lambda: joint.node)
     _flatten_and_clean(gm)                                                # 5. flat I/O, node meta
     names = [*params, *buffers, *input_names]
     roles = ["param"] * len(params) + ["buffer"] * len(buffers) + ["input"] * len(input_names)
@@ -292,52 +300,6 @@ def _to_fake(t: torch.Tensor, mode: compat.FakeTensorMode) -> torch.Tensor:
     return mode.from_tensor(t.detach())
 
 
-# ---------------------------------------------------------------- 2. the loss wrapper
-
-class _LossModule(nn.Module):
-    """Calls the user's model on flat tensors and returns its scalar loss."""
-
-    def __init__(self, model: nn.Module, call: Callable, loss_fn: Callable | None, num_args: int):
-        super().__init__()
-        self.model = model
-        self._call, self._loss_fn, self._num_args = call, loss_fn, num_args
-
-    def forward(self, *tensors: torch.Tensor) -> torch.Tensor:
-        out = self._call(*tensors)
-        if self._loss_fn is not None:
-            loss = self._loss_fn(out, *tensors[: self._num_args])
-            return _as_scalar(loss, "loss_fn's result") if isinstance(loss, torch.Tensor) else _no_loss(loss, "loss_fn")
-        return _extract_loss(out)
-
-
-def _extract_loss(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return _as_scalar(out, "the model's output")
-    if isinstance(out, dict) and isinstance(out.get("loss"), torch.Tensor):
-        return _as_scalar(out["loss"], 'output["loss"]')
-    if isinstance(getattr(out, "loss", None), torch.Tensor):
-        return _as_scalar(out.loss, "output.loss")
-    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return _as_scalar(out[0], "output[0]")
-    return _no_loss(out, "the model")
-
-
-def _as_scalar(loss: torch.Tensor, what: str) -> torch.Tensor:
-    if loss.numel() != 1 or not loss.is_floating_point():
-        raise NoLossError(
-            f"{what} is a {tuple(loss.shape)} {loss.dtype} tensor, not a scalar floating loss. "
-            "Return the loss from forward (e.g. pass labels/targets) or pass "
-            "loss_fn=lambda output, *inputs: ... to capture().")
-    return loss.reshape(())
-
-
-def _no_loss(out: Any, who: str) -> torch.Tensor:
-    raise NoLossError(
-        f"{who} returned {type(out).__name__} with no loss (checked: a scalar tensor, .loss, "
-        '["loss"], [0]). Return the loss from forward (e.g. pass labels/targets) or pass '
-        "loss_fn=lambda output, *inputs: ... to capture().")
-
-
 # ---------------------------------------------------------------- 3-4. export and joint retrace
 
 def _retarget_meta_to_cpu(gm: torch.fx.GraphModule) -> None:
@@ -357,11 +319,17 @@ def _retarget_meta_to_cpu(gm: torch.fx.GraphModule) -> None:
 
 
 class _GraphRunner(torch.fx.Interpreter):
-    """Runs the exported graph with its parameters/buffers taken from `tensors` (by FQN)."""
+    """Runs the exported graph with its parameters/buffers taken from `tensors` (by FQN); `step.node` is
+    the node running (a failure's TraceError names its module)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, tensors: dict[str, torch.Tensor], aliases: dict[str, str]):
+    def __init__(self, gm: torch.fx.GraphModule, tensors: dict[str, torch.Tensor], aliases: dict[str, str],
+                 step: "_TracedStep"):
         super().__init__(gm)
-        self.tensors, self.aliases = tensors, aliases
+        self.tensors, self.aliases, self.step = tensors, aliases, step
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self.step.node = n
+        return super().run_node(n)
 
     def get_attr(self, target: str, args: tuple, kwargs: dict) -> Any:
         name = target.removeprefix(_PREFIX)
@@ -385,6 +353,7 @@ class _TracedStep:
                  mixed_precision: MixedPrecision | None = None):
         self.exported, self.aliases, self.mixed_precision = exported, aliases, mixed_precision
         self.param_names, self.buffer_names, self.grad_names = param_names, buffer_names, grad_names
+        self.node: torch.fx.Node | None = None   # the exported graph's node running
 
     def __call__(self, *flat: torch.Tensor) -> tuple:
         num_p, num_b = len(self.param_names), len(self.buffer_names)
@@ -397,7 +366,7 @@ class _TracedStep:
             # Autocast covers the forward only (as `with autocast: loss = model(x)`; backward outside):
             # torch.export records ops above autocast, so the casts appear when this retrace runs them.
             with autocast_forward(self.mixed_precision, _device_type(flat)):
-                out = _GraphRunner(self.exported, {**params, **buffers, **diff}, self.aliases).run(*inputs)
+                out = _GraphRunner(self.exported, {**params, **buffers, **diff}, self.aliases, self).run(*inputs)
             loss = out[0] if isinstance(out, (tuple, list)) else out
             compat.tag_backward_nodes(loss)
             return loss

@@ -25,7 +25,11 @@ optimizer.step(). Calling the module (`pmodel(*inputs)`) is a forward-only evalu
 gradients. A meta-device model is materialised module by module (`autopar.runtime.materialize`), each
 rank keeping only its stages' shards. `state_dict()` holds this rank's tensors under the model's keys
 (`autopar.runtime.state`); `load_state_dict` takes the model's full state dict (each rank keeps its
-stages' part); `load_safetensors` / `save_safetensors` read and write pretrained weights.
+stages' part); `load_safetensors` / `save_safetensors` read and write pretrained weights. Only the
+first pipeline rank's stage reads the inputs (labels travel to the loss with the activations):
+`needs_inputs` says whether this rank's do; elsewhere the inputs may be None, left out or anything,
+and are ignored. A rank passes the global batch or its data-parallel slice
+(`autopar/runtime/batch.py`: rank r's slice stands for its r-th part of each micro-batch).
 """
 from __future__ import annotations
 
@@ -50,8 +54,9 @@ from autopar.pipeline import planning as pp
 from autopar.plan import Plan
 from autopar.planning.spmd import fingerprint
 from autopar.runtime import checkpoint, safetensors_io, state
+from autopar.runtime.batch import BatchLayout, DataParallelInputs, input_reads
 from autopar.runtime.materialize import model_tensors
-from autopar.runtime.tensors import distinct, get_tensor, is_unit_seed, local_slice, set_tensor
+from autopar.runtime.tensors import distinct, get_tensor, is_unit_seed, set_tensor
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 MULTI_STAGE = ("interleaved_1f1b",)   # schedules that take a list of this rank's PipelineStages
@@ -93,12 +98,13 @@ def parallelize_pipelined(model: nn.Module, example_inputs: tuple, *, mesh: Mesh
                       group_names=tuple(sub_dm.get_group(a).group_name for a in range(mesh.ndim - 1)),
                       grad_names=tuple(captured.grad_param_names), device=device,
                       disabled=frozenset({"bucket_collectives"}))  # a bucket must not mix two stages' grads
+    reads = input_reads(captured, stage_plan)  # before the passes rewrite the inputs' users
     gm = run_passes(captured.gm, ctx, verify=verify)
     gm = defer_grad_reductions_pass(gm, ctx)   # gradient all-reduces: once per step, in train_step
     units = [list(s.modules) for s in plan.stages]
     programs = split_stages(gm, units, [u for s in units for u in s], list(captured.grad_param_names))
     return PipelinedModule(model, captured, plan, programs, device_mesh, sub_dm, coords, stage_plan, device,
-                           init_fn=init_fn)
+                           init_fn=init_fn, input_reads=reads)
 
 
 class _StageFn(torch.autograd.Function):
@@ -176,13 +182,14 @@ class _StageModule(nn.Module):
         return _StageFn.apply(self, len(locals_), *locals_, *inputs)
 
 
-class PipelinedModule(nn.Module):
+class PipelinedModule(DataParallelInputs, nn.Module):
     """This rank's stages of a pipelined plan (one, or v chunks when interleaved): `.train_step(*inputs)
     -> loss`, `pmodel(*inputs)` (eval), `.plan`, `.full_state_dict()`. Only this rank's parameters are
-    registered, each once (optimizers see them)."""
+    registered, each once (optimizers see them). `.needs_inputs`, `.data_parallel_rank` / `_size` and
+    `.distributed_sampler(dataset)` say what this rank feeds."""
 
     def __init__(self, model, captured, plan: Plan, programs: list[StageProgram], device_mesh, sub_dm, coords,
-                 stage_plan: Plan, device: str, init_fn=None):
+                 stage_plan: Plan, device: str, init_fn=None, input_reads=None):
         super().__init__()
         self.plan = plan
         checkpoint.register_hooks(self)  # strided shards leave state_dict() as plain shards (DCP-savable)
@@ -194,9 +201,10 @@ class PipelinedModule(nn.Module):
         self._m, self._device = plan.num_microbatches, torch.device(device)
         self._input_names = list(captured.input_names)
         inputs = captured.placeholders("input")
-        self._input_specs = [parse_spec(stage_plan.nodes[n.name].outs[0]) for n in inputs]
-        self._input_shapes = [(int(n.meta[VAL].shape[0]) * self._m, *n.meta[VAL].shape[1:]) for n in inputs]
-        self._coords = coords[1:]
+        self.batch_layout = BatchLayout(self._input_names,
+                                        [(int(n.meta[VAL].shape[0]) * self._m, *n.meta[VAL].shape[1:]) for n in inputs],
+                                        [parse_spec(stage_plan.nodes[n.name].outs[0]) for n in inputs], coords[1:],
+                                        tuple(sub_dm.shape), mesh=sub_dm, microbatches=self._m, reads=input_reads)
         names = [*captured.param_names, *captured.buffer_names]
         self._state, self._owner = state.state_entries(model, names), _owners(programs, self._num_ranks, names)
         params, buffers = self._distribute(model, captured, [programs[k] for k in self._chunks], stage_plan, init_fn)
@@ -243,22 +251,16 @@ class PipelinedModule(nn.Module):
                              group=self.device_mesh.get_group(0))
 
     # ------------------------------------------------------------------ running
+    @property
+    def needs_inputs(self) -> bool:
+        """True on the ranks of the first pipeline stage, the only ones whose program reads the inputs."""
+        return self._pp_rank == 0
+
     def _stage_inputs(self, inputs: tuple, kwargs: dict) -> list[torch.Tensor]:
-        """Stage 0's arguments: each input cut into micro-batches, this rank's slice of each, re-joined
-        along dim 0 (the schedule cuts them again into the same micro-batches)."""
+        """Stage 0's arguments: of each micro-batch this rank's block, re-joined along dim 0 (the schedule
+        cuts them again into the same micro-batches)."""
         inputs = tuple(inputs) + tuple(kwargs[n] for n in self._input_names[len(inputs):] if n in kwargs)
-        if len(inputs) != len(self._input_shapes):
-            raise InputError(f"expected {len(self._input_shapes)} inputs ({', '.join(self._input_names)}), "
-                             f"got {len(inputs)}")
-        out = []
-        for name, x, shape, spec in zip(self._input_names, inputs, self._input_shapes, self._input_specs):
-            if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(shape):
-                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise InputError(f"input {name!r} has shape {got} but the plan was made for {tuple(shape)} "
-                                 f"({self._m} micro-batches); re-plan for the new shape")
-            parts = [local_slice(c, spec, self._coords, tuple(self.sub_mesh.shape)) for c in x.chunk(self._m)]
-            out.append(torch.cat(parts).contiguous().to(self._device))
-        return out
+        return self.batch_layout.local_inputs(inputs, self._device)
 
     def _run(self, inputs: tuple, kwargs: dict, train: bool) -> torch.Tensor:
         args = self._stage_inputs(inputs, kwargs) if self._pp_rank == 0 else []

@@ -3,14 +3,13 @@
 Parameters are DTensors on a DeviceMesh built from the world and the plan's mesh, placed as the
 plan's master specs, so an unmodified torch.optim optimizer steps on local shards and
 torch.distributed.checkpoint / full_tensor() work. A forward call runs the rewritten joint graph on
-local shards (inputs: every rank passes the same global batch; each keeps its planned slice) and
-returns the loss; backward hands the graph's gradients (already reduced to each master spec) to
-autograd, which fills `p.grad` as DTensors.
+local shards (inputs: every rank passes the same global batch and keeps its planned block, or its own
+data-parallel slice: `autopar/runtime/batch.py`) and returns the loss; backward hands the graph's
+gradients (already reduced to each master spec) to autograd, which fills `p.grad` as DTensors.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import distribute_tensor
@@ -19,7 +18,6 @@ from autopar import _torch_compat as compat
 from autopar.capture import precision
 from autopar.capture.canonicalize import canonicalize
 from autopar.capture.trace import capture
-from autopar.errors import InputError
 from autopar.graph import VAL
 from autopar.mesh import Mesh
 from autopar.passes import PassContext, run_passes
@@ -27,9 +25,10 @@ from autopar.passes.context import parse_spec
 from autopar.plan import Plan
 from autopar.planning.spmd import fingerprint, plan_captured
 from autopar.runtime import checkpoint, safetensors_io, state
+from autopar.runtime.batch import BatchLayout, DataParallelInputs, input_reads
 from autopar.runtime.launch import broadcast_plan, device_type, local_device
 from autopar.runtime.materialize import is_meta, stream_tensors
-from autopar.runtime.tensors import distinct, get_tensor, is_unit_seed, local_slice, owner_of, set_tensor
+from autopar.runtime.tensors import distinct, get_tensor, is_unit_seed, owner_of, set_tensor
 
 
 def parallelize_spmd(model: nn.Module, example_inputs: tuple, *, mesh: Mesh, plan: Plan | None, example_kwargs=None,
@@ -52,8 +51,9 @@ def parallelize_spmd(model: nn.Module, example_inputs: tuple, *, mesh: Mesh, pla
     ctx = PassContext(plan, tuple(mesh.shape), coords=tuple(device_mesh.get_coordinate()),
                       group_names=tuple(device_mesh.get_group(a).group_name for a in range(mesh.ndim)),
                       grad_names=tuple(captured.grad_param_names), device=local_device())
+    reads = input_reads(captured, plan)  # before the passes rewrite the inputs' users
     gm = run_passes(captured.gm, ctx, verify=verify)
-    return ParallelModule(model, captured, plan, gm, device_mesh, ctx, init_fn=init_fn)
+    return ParallelModule(model, captured, plan, gm, device_mesh, ctx, init_fn=init_fn, input_reads=reads)
 
 
 class JointStepFunction(torch.autograd.Function):
@@ -83,11 +83,15 @@ class JointStepFunction(torch.autograd.Function):
         return (None, None, *grads, *([None] * fctx.num_rest))
 
 
-class ParallelModule(nn.Module):
-    """The parallelized model on this rank: `pmodel(*inputs) -> loss`, `.train_step`, `.plan`."""
+class ParallelModule(DataParallelInputs, nn.Module):
+    """The parallelized model on this rank: `pmodel(*inputs) -> loss`, `.train_step`, `.plan`; inputs are
+    the global batch or this rank's slice (`.data_parallel_rank` of `.data_parallel_size`,
+    `.distributed_sampler(dataset)`)."""
+
+    needs_inputs = True   # every rank's program reads the inputs (a pipeline's first stage only)
 
     def __init__(self, model, captured, plan: Plan, gm, device_mesh: DeviceMesh, ctx: PassContext,
-                 init_fn=None):
+                 init_fn=None, input_reads=None):
         super().__init__()
         self.plan = plan
         checkpoint.register_hooks(self)  # strided shards leave state_dict() as plain shards (DCP-savable)
@@ -98,11 +102,11 @@ class ParallelModule(nn.Module):
         self._input_names = list(captured.input_names)
         self._grad_index = {n: i for i, n in enumerate(captured.grad_param_names)}
         self._tied = dict(captured.tied)
-        self._input_specs = [parse_spec(plan.nodes[n.name].outs[0]) for n in captured.placeholders("input")]
-        self._input_shapes = [tuple(n.meta[VAL].shape) for n in captured.placeholders("input")]
-        self._coords = ctx.coords
+        inputs = captured.placeholders("input")
+        self.batch_layout = BatchLayout(self._input_names, [n.meta[VAL].shape for n in inputs],
+                                        [parse_spec(plan.nodes[n.name].outs[0]) for n in inputs], ctx.coords,
+                                        ctx.axis_sizes, mesh=device_mesh, reads=input_reads)
         self._device = torch.device(ctx.device)
-        self._axis_sizes = ctx.axis_sizes
         self._specs = {name: parse_spec(plan.params[name].master) for name in self._param_names}
         for node, name in zip(captured.placeholders("buffer"), self._buffer_names):
             self._specs[name] = parse_spec(plan.nodes[node.name].outs[0])
@@ -135,23 +139,10 @@ class ParallelModule(nn.Module):
     def grads_by_param(self, grads) -> list:
         return [grads[self._grad_index[n]] if n in self._grad_index else None for n in self._param_names]
 
-    def _local_inputs(self, inputs) -> list[torch.Tensor]:
-        if len(inputs) != len(self._input_shapes):
-            raise InputError(f"expected {len(self._input_shapes)} inputs ({', '.join(self._input_names)}), "
-                             f"got {len(inputs)}")
-        out = []
-        for name, x, shape, spec in zip(self._input_names, inputs, self._input_shapes, self._input_specs):
-            if not isinstance(x, torch.Tensor) or tuple(x.shape) != shape:
-                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise InputError(f"rank {dist.get_rank()}: input {name!r} has shape {got} but the plan was made "
-                                 f"for {shape}; re-plan for the new shape or pad/crop the batch")
-            out.append(local_slice(x, spec, self._coords, self._axis_sizes).contiguous().to(self._device))
-        return out
-
     def _step_args(self, inputs, kwargs) -> tuple[list, list]:
         """(the DTensor parameters, the graph's other inputs: local buffers, then this rank's inputs)."""
         inputs = tuple(inputs) + tuple(kwargs[n] for n in self._input_names[len(inputs):] if n in kwargs)
-        local_inputs = self._local_inputs(inputs)
+        local_inputs = self.batch_layout.local_inputs(inputs, self._device)
         params = [owner._parameters[leaf] for owner, leaf in self._param_owners]
         bufs = [compat.local_tensor(owner._buffers[leaf]) for owner, leaf in self._buffer_owners]
         return params, bufs + local_inputs
