@@ -79,7 +79,8 @@ def autoparallelize(model: nn.Module, example_inputs, *, mesh: Mesh | tuple | No
     """Plan (or reuse `plan`), rewrite and return a module that trains on this rank of the job.
 
     `mesh=None`: a 1-D mesh over the torchrun world. A model on the meta device is materialised
-    module by module (`init_fn(module)`, default: torch.nn layers' reset_parameters), each rank keeping
+    module by module (`init_fn(module)`; default: a transformers model's own `_init_weights`, else torch.nn
+    layers' reset_parameters; a tensor left unset is warned about and holds NaN), each rank keeping
     only its shards; see `autopar.runtime.materialize`. `device`: "cpu" (gloo), "cuda" (NCCL) or None
     (CUDA when this machine has it). `verify=True` checks the IR between passes (autopar/ir.py).
     `baselines` (price the textbook recipes for the plan's comparison table) defaults to yes for SPMD

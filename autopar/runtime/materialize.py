@@ -9,6 +9,7 @@ order. `init_fn` must touch only the module's own (non-recursive) tensors.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Iterator
 
 import torch
@@ -19,6 +20,19 @@ def default_init(module: nn.Module) -> None:
     """torch.nn layers' own `reset_parameters` (Linear, Embedding, LayerNorm, ...); others untouched."""
     if type(module).__module__.startswith("torch.nn") and hasattr(module, "reset_parameters"):
         module.reset_parameters()
+
+
+def default_init_for(model: nn.Module) -> Callable[[nn.Module], None]:
+    """The init a meta-built `model` gets when the caller names none: inside a transformers model
+    (found at any depth, e.g. in the user's wrapper), that model's own `_init_weights`, which also
+    sets what its constructor computed (rotary `inv_freq`, norm weights of ones); elsewhere
+    `default_init`."""
+    owner: dict[int, Callable] = {}
+    for mod in model.modules():   # outer first: an inner transformers model overrides its container
+        init = getattr(mod, "_init_weights", None)
+        if callable(init) and hasattr(mod, "config") and hasattr(mod, "post_init"):
+            owner.update({id(m): init for m in mod.modules()})
+    return lambda module: owner.get(id(module), default_init)(module)
 
 
 def is_meta(model: nn.Module) -> bool:
@@ -48,7 +62,8 @@ def _post_order(model: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Mo
 def stream_tensors(model: nn.Module, init_fn: Callable | None = None, device="cpu"
                    ) -> Iterator[tuple[list[str], torch.Tensor]]:
     """Yield (names, tensor) for each distinct parameter/buffer: all FQNs that share it, and its value."""
-    init_fn = init_fn or default_init
+    init_fn = init_fn or default_init_for(model)
+    unset: list[str] = []
     order = list(_post_order(model))
     owners: dict[int, list[tuple[int, str, nn.Module, str, bool]]] = {}
     for k, (prefix, mod) in enumerate(order):
@@ -67,7 +82,7 @@ def stream_tensors(model: nn.Module, init_fn: Callable | None = None, device="cp
                 key = id(originals.get((id(mod), name), t))
                 originals[(id(mod), name)] = t
                 if key not in real:
-                    real[key] = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    real[key] = _unset_marker(torch.empty(t.shape, dtype=t.dtype, device=device))
                 table[name] = nn.Parameter(real[key], requires_grad=t.requires_grad) if kind else real[key]
         with torch.no_grad():
             init_fn(mod)
@@ -76,4 +91,30 @@ def stream_tensors(model: nn.Module, init_fn: Callable | None = None, device="cp
                 if (id(mod), name) in originals:
                     table[name] = originals[(id(mod), name)]  # back to meta: the real copy is the caller's
         for key in [key for key, k_last in last.items() if k_last == k and key in real]:
-            yield [o[1] for o in owners[key]], real.pop(key)
+            names, tensor = [o[1] for o in owners[key]], real.pop(key)
+            if _left_unset(tensor):
+                unset.append(names[0])
+            yield names, tensor
+    if unset:
+        warnings.warn(f"materialising the meta-device model left {len(unset)} tensors uninitialised ("
+                      f"{', '.join(unset[:5])}{', ...' if len(unset) > 5 else ''}): they hold NaN (or the dtype's "
+                      "least value) until loaded; pass autoparallelize(..., init_fn=fn) where fn(module) sets each "
+                      "module's own tensors, or load weights (pmodel.load_safetensors / load_state_dict) before "
+                      "training", UninitializedTensorWarning, stacklevel=3)
+
+
+class UninitializedTensorWarning(UserWarning):
+    """A meta-device model's tensor that its init_fn did not set (it holds a marker, not a value)."""
+
+
+def _unset_marker(t: torch.Tensor) -> torch.Tensor:
+    """Fill new storage with a value no init leaves behind: NaN, or the integer dtype's least value."""
+    if t.is_floating_point() or t.is_complex():
+        return t.fill_(float("nan"))
+    return t.fill_(torch.iinfo(t.dtype).min) if t.dtype != torch.bool else t.fill_(False)
+
+
+def _left_unset(t: torch.Tensor) -> bool:
+    if t.is_floating_point() or t.is_complex():
+        return bool(torch.isnan(t).any())
+    return t.dtype != torch.bool and bool((t == torch.iinfo(t.dtype).min).any())

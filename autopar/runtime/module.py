@@ -199,9 +199,9 @@ class ParallelModule(DataParallelInputs, nn.Module):
         """Load pretrained weights from a safetensors file, or a folder transformers' `save_pretrained` wrote
         (one file or shards with `model.safetensors.index.json`): each rank reads only its own slices
         (`autopar/runtime/safetensors_io.py`). `strict`: the file's keys must be the model's (tied keys may
-        be missing, as transformers saves them once). A model built on the meta device loads too; build a
-        transformers one with `autoparallelize(..., init_fn=model._init_weights)`: buffers no checkpoint
-        holds (rotary tables) come from its init, which the default init_fn does not know."""
+        be missing, as transformers saves them once). A model built on the meta device loads too: buffers
+        no checkpoint holds (rotary tables) come from its init, by default a transformers model's own
+        `_init_weights` (`autopar.runtime.materialize.default_init_for`)."""
         safetensors_io.load(self, self._state, path, strict=strict)
 
     def save_safetensors(self, path, *, max_shard_bytes: int | None = None) -> None:
