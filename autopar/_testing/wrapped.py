@@ -104,4 +104,5 @@ def first_step_from_meta(rank, world, name: str, batch, strategy: str) -> tuple:
     pmodel = autoparallelize(meta, tuple(args), strategy=strategy, init_fn=copy_init(meta, real), baselines=False,
                              verify=rank == 0)
     loss = pmodel.train_step(*args).item()
-    return loss, {n: p.grad.full_tensor() for n, p in pmodel.named_parameters() if p.grad is not None}
+    return loss, {n: p.grad.full_tensor() for n, p in pmodel.named_parameters(remove_duplicate=False)
+                  if p.grad is not None}   # every alias of a tied weight: the reference may name it first
