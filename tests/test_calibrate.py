@@ -5,8 +5,8 @@ import random
 
 import numpy as np
 import pytest
-from tests.dist_utils import run_distributed
 
+from autopar._testing.dist_utils import run_distributed
 from autopar.calibration.fit import Sample, fit_alpha_beta, fit_line, fit_links
 from autopar.calibration.measure import build_profile, calibrate, parse_size, size_range
 from autopar.costmodel import comm
