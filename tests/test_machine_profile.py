@@ -50,8 +50,9 @@ def test_first_job_measures_and_caches_later_jobs_read_it(tmp_path):
     assert set(spec.collectives["intra"]) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
                                               "send_recv"}
     assert spec.param_step_overhead > 0 and spec.op_overhead > 0   # measured here, not the preset's
-    record = json.loads(open(r0["path"]).read())
-    assert record["key"]["world"] == 2 and record["key"]["torch"] == torch.__version__ and record["seconds"] > 0
+    about = json.loads(open(r0["path"].removesuffix(".json") + ".key.json").read())
+    assert about["measured_for"]["world"] == 2 and about["measured_for"]["torch"] == torch.__version__
+    assert about["seconds"] > 0
     assert r0["planned_on"] == r0["first"]   # autoparallelize(mesh=None) priced on it
     assert "cpu-calibrated" in r0["summary"] and "uncalibrated" not in r0["summary"]
     assert r0["preset_on"] == "cpu" and "uncalibrated: the `cpu` preset's figures" in r0["preset_summary"]
@@ -63,15 +64,18 @@ def test_cache_key_and_unreadable_files(tmp_path, monkeypatch):
     key = machine.machine_key(2)
     assert {"host", "cpu", "torch", "world", "threads"} <= set(key) and key["cpu"]
     path = machine.profile_path(key)
-    assert path.parent == tmp_path / "profiles" and path != machine.profile_path(machine.machine_key(4))
-    assert machine.read_profile(path, key) is None   # nothing cached yet
+    assert path.parent == tmp_path / "profiles"
+    for other in (machine.machine_key(4), {**key, "torch": "0.0"}, {**key, "threads": 7}):
+        assert machine.profile_path(other) != path   # another world, torch or thread count: measured again
+    assert machine.read_profile(path) is None   # nothing cached yet
     machine.write_profile(path, key, CPU, 1.5)
-    assert machine.read_profile(path, key) == CPU
-    assert machine.read_profile(path, {**key, "torch": "0.0"}) is None   # another torch: measure again
-    assert not list(path.parent.glob("*.tmp"))   # written through a renamed temporary file
-    for text in ("{truncated", json.dumps({"key": key, "profile": {"name": "x"}})):
+    assert machine.read_profile(path) == CPU
+    assert autopar.Mesh((2,), hardware=path).hardware == CPU   # a plain profile, usable as any other
+    assert json.loads(path.with_suffix(".key.json").read_text())["measured_for"] == key
+    assert not list(path.parent.glob("*.tmp"))   # written through renamed temporary files
+    for text in ("{truncated", json.dumps({"name": "x"})):
         path.write_text(text)
-        assert machine.read_profile(path, key) is None   # measured again, not trusted
+        assert machine.read_profile(path) is None   # measured again, not trusted
 
 
 def test_cache_folder_and_switch(monkeypatch, tmp_path):

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from autopar import config
 from autopar.calibration.measure import calibrate, size_range
-from autopar.costmodel.hardware import HardwareSpec, get_hardware
+from autopar.costmodel.hardware import HardwareSpec, get_hardware, load_hardware
 from autopar.errors import HardwareError
 
 QUICK_SIZES = size_range("1K", "4M")   # the largest gradient bucket of a small model; alpha-beta extrapolates
@@ -53,33 +53,33 @@ def cpu_model() -> str:
 
 
 def profile_path(key: dict[str, object]) -> Path:
-    """Where the profile for `key` is cached: one file per key, named by its world and a hash."""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    """Where the profile for `key` is cached: one file per key, named by its world size and a hash of
+    the key. The file is a plain profile (`Mesh(hardware=path)` and `autopar plan --hardware` read it);
+    beside it, `<name>.key.json` says what it was measured for (for people: the name decides)."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return config.cache_dir() / "profiles" / f"cpu-world{key['world']}-{digest}.json"
 
 
-def read_profile(path: Path, key: dict[str, object]) -> HardwareSpec | None:
-    """The profile cached at `path` if it was measured for `key`; None when absent, for another key,
-    or unreadable (a truncated or hand-edited file is measured again, not trusted)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or data.get("key") != key:
+def read_profile(path: Path) -> HardwareSpec | None:
+    """The profile cached at `path`; None when absent or unreadable (a truncated or hand-broken file
+    is measured again, not trusted)."""
+    if not path.is_file():
         return None
     try:
-        return HardwareSpec.from_json(data.get("profile"))
+        return load_hardware(path)
     except HardwareError:
         return None
 
 
 def write_profile(path: Path, key: dict[str, object], spec: HardwareSpec, seconds: float) -> None:
-    """Write atomically (a temporary file renamed), so a job reading meanwhile sees all or nothing."""
+    """Write atomically (temporary files renamed), so a job reading meanwhile sees all or nothing."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    record = {"key": key, "seconds": round(seconds, 3), "profile": spec.to_json()}
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    about = {"measured_for": key, "seconds": round(seconds, 3)}
+    for target, text in ((path.with_suffix(".key.json"), json.dumps(about, indent=2, sort_keys=True) + "\n"),
+                         (path, json.dumps(spec.to_json(), indent=2, sort_keys=True) + "\n")):
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, target)
 
 
 def machine_hardware(world: int) -> HardwareSpec:
@@ -90,7 +90,7 @@ def machine_hardware(world: int) -> HardwareSpec:
     key = machine_key(world)
     path = profile_path(key)
     rank0 = dist.get_rank() == 0
-    cached = read_profile(path, key) if rank0 else None
+    cached = read_profile(path) if rank0 else None
     box = [cached.to_json() if cached is not None else None]
     dist.broadcast_object_list(box, src=0)   # rank 0's cache decides for every rank (and every node)
     if box[0] is not None:
@@ -102,8 +102,9 @@ def _measure(path: Path, key: dict[str, object], rank0: bool) -> HardwareSpec:
     """Calibrate on every rank (the same result on each), cache on rank 0. The global RNG is left
     as it was: a first run must draw the same random numbers as the runs that read the cache."""
     if rank0:
-        print(f"autopar: first CPU job of {key['world']} ranks x {key['threads']} threads on this machine: "
-              f"calibrating (a few seconds, once; AUTOPAR_CALIBRATE=0 skips it) -> {path}", file=sys.stderr, flush=True)
+        print(f"autopar: first CPU job on this machine with world size {key['world']}, {key['threads']} thread(s) per "
+              f"rank: calibrating (a few seconds, once; AUTOPAR_CALIBRATE=0 skips it) -> {path}",
+              file=sys.stderr, flush=True)
     start = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
         spec = calibrate(sizes=QUICK_SIZES, iters=QUICK_ITERS, quick_compute=True, progress=lambda msg: None).spec
