@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 import torch.nn as nn
 
+from autopar.calibration.machine import machine_hardware
 from autopar.capture.precision import MixedPrecision
 from autopar.errors import InputError, MeshError
 from autopar.mesh import Mesh
@@ -78,7 +79,9 @@ def autoparallelize(model: nn.Module, example_inputs, *, mesh: Mesh | tuple | No
                     virtual_stages: int | None = None) -> ParallelModule | PipelinedModule:
     """Plan (or reuse `plan`), rewrite and return a module that trains on this rank of the job.
 
-    `mesh=None`: a 1-D mesh over the torchrun world. A model on the meta device is materialised
+    `mesh=None`: a 1-D mesh over the torchrun world, priced on a given plan's hardware, else on CPU
+    this machine's profile (measured at the first job and cached: `autopar.calibration.machine`),
+    on CUDA the h100 preset. A model on the meta device is materialised
     module by module (`init_fn(module)`; default: a transformers model's own `_init_weights`, else torch.nn
     layers' reset_parameters; a tensor left unset is warned about and holds NaN), each rank keeping
     only its shards; see `autopar.runtime.materialize`. `device`: "cpu" (gloo), "cuda" (NCCL) or None
@@ -89,7 +92,7 @@ def autoparallelize(model: nn.Module, example_inputs, *, mesh: Mesh | tuple | No
     _, world = init_distributed(device)
     if device_type() == "cpu":
         keep_freed_memory()  # else glibc page-faults every step's activations in again (runtime/cpu_memory.py)
-    mesh = _world_mesh(mesh, world)
+    mesh = _world_mesh(mesh, world, plan)
     if num_stages == "auto":  # search the layout; the plan brings its mesh, micro-batches and schedule
         if plan is None:
             plan = broadcast_plan(lambda: _search(
@@ -156,9 +159,11 @@ def _reject_pipeline_options(where: str, num_microbatches, schedule, virtual_sta
                              f"mesh with a 'pp' axis (in {where}())")
 
 
-def _world_mesh(mesh, world: int) -> Mesh:
+def _world_mesh(mesh, world: int, plan: Plan | None) -> Mesh:
     if mesh is None:
-        return Mesh((world,), hardware="cpu" if device_type() == "cpu" else "h100")
+        if plan is not None:
+            return Mesh((world,), hardware=plan.mesh.hardware)
+        return Mesh((world,), hardware=machine_hardware(world) if device_type() == "cpu" else "h100")
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
     if mesh.size != world:
         raise MeshError(f"the mesh has {mesh.size} devices ({mesh}) but this job has {world} ranks; "

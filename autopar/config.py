@@ -7,6 +7,8 @@
 | AUTOPAR_DISABLE_PASSES | unset | comma-separated optional passes to switch off (`autopar.passes.OPTIONAL`) |
 | AUTOPAR_CAPTURE_CACHE | 1 | 0: trace the model at every call instead of reusing the graph captured for the same model object, inputs and options |
 | AUTOPAR_KEEP_CPU_MEMORY | 1 | 0: leave glibc's malloc thresholds as they are (`autopar/runtime/cpu_memory.py`) |
+| AUTOPAR_CALIBRATE | 1 | 0: a CPU `autoparallelize` with no mesh plans on the uncalibrated `cpu` preset instead of this machine's profile, measured at first use and cached (`autopar/calibration/machine.py`) |
+| AUTOPAR_CACHE_DIR | ~/.cache/autopar | where those profiles are cached ($XDG_CACHE_HOME/autopar when that is set) |
 
 Each is read when it is used (not at import), so a test or a script may set it at any time.
 The launcher's own variables (RANK, WORLD_SIZE, LOCAL_RANK, ...) are torch's, read where they are used.
@@ -14,12 +16,15 @@ The launcher's own variables (RANK, WORLD_SIZE, LOCAL_RANK, ...) are torch's, re
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 DEBUG = "AUTOPAR_DEBUG"
 DUMP_DIR = "AUTOPAR_DUMP_DIR"
 DISABLE_PASSES = "AUTOPAR_DISABLE_PASSES"
 CAPTURE_CACHE = "AUTOPAR_CAPTURE_CACHE"
 KEEP_CPU_MEMORY = "AUTOPAR_KEEP_CPU_MEMORY"
+CALIBRATE = "AUTOPAR_CALIBRATE"
+CACHE_DIR = "AUTOPAR_CACHE_DIR"
 _OFF = ("0", "false", "off", "no")
 
 
@@ -46,3 +51,14 @@ def capture_cache_enabled() -> bool:
 
 def keep_cpu_memory() -> bool:
     return os.environ.get(KEEP_CPU_MEMORY, "1") != "0"
+
+
+def calibrate_enabled() -> bool:
+    return os.environ.get(CALIBRATE, "1").strip().lower() not in _OFF
+
+
+def cache_dir() -> Path:
+    """AUTOPAR_CACHE_DIR, else $XDG_CACHE_HOME/autopar, else ~/.cache/autopar."""
+    if os.environ.get(CACHE_DIR):
+        return Path(os.environ[CACHE_DIR]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "autopar"

@@ -22,6 +22,7 @@ import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
+from autopar.costmodel.hardware import PRESETS
 from autopar.costmodel.memory import format_bytes, format_seconds
 from autopar.errors import AutoparError
 
@@ -374,7 +375,19 @@ def totals_lines(plan) -> list[str]:
                         + _compact_paths(plan.recompute))
     if plan.stages:
         lines[1:1] = stage_lines(plan)
+    lines[1:1] = uncalibrated_note(plan)  # right under the step time it qualifies
     return lines
+
+
+def uncalibrated_note(plan) -> list[str]:
+    """For a plan priced on the `cpu` preset: its figures were measured once on another machine (a
+    plan for this one can be off by 2x), and how to price this machine instead. Nothing otherwise
+    (a calibrated profile, or a GPU preset: datasheet figures for the device it names)."""
+    if plan.mesh.hardware != PRESETS["cpu"]:
+        return []
+    return ["          (uncalibrated: the `cpu` preset's figures, from another machine; to price this one, run",
+            f"          torchrun --nproc_per_node {plan.mesh.size} -m autopar calibrate --out hw.json; "
+            "Mesh(hardware=\"hw.json\"))"]
 
 
 def stage_lines(plan) -> list[str]:
