@@ -19,7 +19,6 @@ import torch.fx as fx
 
 from autopar.graph import PHASE, VIEW_OPS, packet
 from autopar.passes.ops import bucket_buffer
-from autopar.runtime.tensors import get_tensor
 
 
 @dataclass(frozen=True)
@@ -98,13 +97,6 @@ def peak_activation_bytes(gm: fx.GraphModule, *args) -> ActivationPeak:
     return ActivationTracker(gm).measure(*args)
 
 
-def step_arguments(pmodel, *inputs) -> list[torch.Tensor]:
-    """The per-rank program's arguments for one step of a `ParallelModule`, as its forward builds them:
-    local parameter shards, local buffers, this rank's slice of the inputs."""
-    tensors = [get_tensor(pmodel, n).to_local() for n in (*pmodel._param_names, *pmodel._buffer_names)]
-    return [*tensors, *pmodel._local_inputs(inputs)]
-
-
 def measure_step(pmodel, *inputs) -> ActivationPeak:
     """The activation-memory peak of one training step of `pmodel` on this rank (runs it once)."""
-    return peak_activation_bytes(pmodel.gm, *step_arguments(pmodel, *inputs))
+    return peak_activation_bytes(pmodel.gm, *pmodel.step_arguments(*inputs))

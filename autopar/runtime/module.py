@@ -147,6 +147,12 @@ class ParallelModule(DataParallelInputs, nn.Module):
         bufs = [compat.local_tensor(owner._buffers[leaf]) for owner, leaf in self._buffer_owners]
         return params, bufs + local_inputs
 
+    def step_arguments(self, *inputs, **kwargs) -> list[torch.Tensor]:
+        """The per-rank program's arguments for one step, as forward builds them (`self.gm(*args)`):
+        local parameter shards, local buffers, this rank's part of the inputs (`autopar.runtime.memtrack`)."""
+        params, rest = self._step_args(inputs, kwargs)
+        return [compat.local_tensor(p) for p in params] + rest
+
     def _run_graph(self, params, rest) -> tuple[torch.Tensor, list]:
         """The joint graph on the parameters' local shards: (the loss, each parameter's local gradient
         or None), computed without autograd recording."""
