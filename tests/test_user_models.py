@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar._testing import models, nanogpt, wrapped
-from autopar._testing.dist_cases import assert_matches, run_each, train_many, train_reference
+from autopar._testing.dist_cases import assert_each, assert_matches, run_each, train_many, train_reference
 from autopar._testing.dist_utils import run_distributed
 from autopar.capture.no_cache import configs_of
 from autopar.capture.trace import capture
@@ -263,16 +263,7 @@ def test_wrapped_zoo_from_meta_trains_like_one_process(group):
     wrapped model; so does the nanoGPT-style GPT, whose forward returns (logits, loss), without loss_fn."""
     jobs, checks = _jobs(GROUPS[group])
     results = run_distributed(run_each, 2, jobs, timeout=1800)
-    failures = []
-    for j, (label, check, *args) in enumerate(checks):
-        per_rank = [r[j] for r in results]
-        errors = [f"rank {rank}: {e}" for rank, e in enumerate(per_rank) if isinstance(e, str)]
-        try:
-            assert not errors, "\n".join(errors)
-            check(per_rank, *args)
-        except AssertionError as e:
-            failures.append(f"{label}: {e}")
-    assert not failures, "\n\n".join(failures)
+    assert_each(results, [(j, *check) for j, check in enumerate(checks)])   # checks follow the jobs' order
 
 
 def test_every_zoo_family_is_in_a_group():

@@ -17,6 +17,7 @@ import torch
 import autopar
 from autopar._testing import models
 from autopar._testing.dist_cases import (
+    assert_each,
     assert_matches,
     assert_state_dicts,
     private_copy,
@@ -110,16 +111,7 @@ def test_families_match_single_process(group, world):
         if pretrained:
             checks.append((len(jobs) - 1, f"{name} world={world} state dicts", assert_state_dicts, case.model, labels))
     results = run_distributed(run_each, world, jobs, timeout=1800)
-    failures = []
-    for j, label, check, *args in checks:  # check(the job's result on every rank, *args)
-        per_rank = [r[j] for r in results]
-        errors = [f"rank {rank}: {e}" for rank, e in enumerate(per_rank) if isinstance(e, str)]
-        try:
-            assert not errors, "\n".join(errors)
-            check(per_rank, *args)
-        except AssertionError as e:
-            failures.append(f"{label}: {e}")
-    assert not failures, "\n\n".join(failures)
+    assert_each(results, checks)
 
 
 def test_mixtral_forced_expert_layouts_match_single_process():

@@ -151,6 +151,22 @@ def run_each(rank, world, jobs):
     return out
 
 
+def assert_each(results, checks) -> None:
+    """Check `run_each`'s results: each `(job index, label, check, *args)` runs `check(that job's result on
+    every rank, *args)`; a job that raised on a rank fails its check; every failure is reported together,
+    each under its label, so one failing model does not hide the others."""
+    failures = []
+    for j, label, check, *args in checks:
+        per_rank = [r[j] for r in results]
+        errors = [f"rank {rank}: {e}" for rank, e in enumerate(per_rank) if isinstance(e, str)]
+        try:
+            assert not errors, "\n".join(errors)
+            check(per_rank, *args)
+        except AssertionError as e:
+            failures.append(f"{label}: {e}")
+    assert not failures, "\n\n".join(failures)
+
+
 def assert_matches(results, ref_losses, ref_state, labels, *, rtol=1e-4, atol=1e-5, check_plan=True) -> None:
     """`results[rank][i]` (train_parallel's dicts, case `labels[i]`) equal one process: losses on every rank,
     full parameters on rank 0 (rtol 1e-4 / atol 1e-5); with `check_plan`, the plan is feasible and the graph
