@@ -27,12 +27,11 @@ import torch
 import torch.nn as nn
 
 from autopar import _torch_compat as compat
-from autopar.config import CAPTURE_CACHE, capture_cache_enabled
+from autopar.config import capture_cache_enabled
 
 log = logging.getLogger(__name__)
 
 MAX_PER_MODEL = 8           # graphs kept per model (the pipeline search captures one per micro-batch size)
-ENV = CAPTURE_CACHE
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout, enum.Enum)
 _SKIP = object()            # left out of the key: modules (keyed on their own), tensors, opaque objects
 
