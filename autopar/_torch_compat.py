@@ -137,3 +137,36 @@ def lazy_recompile():
     only costed, never run, skips seconds of code generation per rewrite."""
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
     return _use_lazy_graph_module(True)
+
+
+def inductor_compile(gm: torch.fx.GraphModule, example_args: list, config_patches: dict,
+                     on_output: Callable) -> Callable:
+    """`gm` (an ATen graph, functional collectives included) compiled by Inductor for the shapes, strides
+    and dtypes of `example_args` (real tensors; they are only read for their metadata). No Dynamo:
+    `compile_fx` re-traces `gm` with Inductor's decompositions (aot_autograd, an inference graph) and
+    hands the result to `compile_fx_inner`, whose compiled output (`OutputCode`) goes to `on_output`.
+    The fake inputs carry a ShapeEnv (static shapes), without which Inductor's FX graph cache bypasses
+    ('No shape env'): with it, a restarted job with the same program loads the compiled kernels."""
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    def inner(*args, **kwargs):
+        out = compile_fx_inner(*args, **kwargs)
+        on_output(out)
+        return out
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    fakes = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in example_args]
+    return compile_fx(gm, fakes, inner_compile=inner, config_patches=config_patches)
+
+
+def output_source(output_code) -> str:
+    """The Python wrapper Inductor generated for a compiled graph ('' where it kept none)."""
+    return getattr(output_code, "source_code", "") or ""
+
+
+def compile_counters() -> dict:
+    """torch's compile counters, by family ('inductor': FX graph cache hits/misses, 'aot_autograd',
+    'graph_break': Dynamo's graph breaks by reason, 'stats'), as plain dicts."""
+    from torch._dynamo.utils import counters
+    return {family: dict(c) for family, c in counters.items()}

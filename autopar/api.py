@@ -21,6 +21,7 @@ from autopar.pipeline.search import plan_searched
 from autopar.plan import Plan
 from autopar.planning.scaling import ScalingReport, plan_scaling
 from autopar.planning.spmd import plan_spmd
+from autopar.runtime.compile import resolve as resolve_compile
 from autopar.runtime.cpu_memory import keep_freed_memory
 from autopar.runtime.launch import broadcast_plan, device_type, init_distributed, local_device
 from autopar.runtime.module import ParallelModule, parallelize_spmd
@@ -75,8 +76,8 @@ def autoparallelize(model: nn.Module, example_inputs, *, mesh: Mesh | tuple | No
                     init_fn: Callable[[nn.Module], None] | None = None, device: str | None = None,
                     baselines: bool | None = None, mixed_precision: Precision = None,
                     recompute: Recompute = None, num_stages: int | str | None = None, num_microbatches: int | None = None,
-                    schedule: str | None = None,
-                    virtual_stages: int | None = None) -> ParallelModule | PipelinedModule:
+                    schedule: str | None = None, virtual_stages: int | None = None,
+                    compile: bool | None = None) -> ParallelModule | PipelinedModule:
     """Plan (or reuse `plan`), rewrite and return a module that trains on this rank of the job.
 
     `mesh=None`: a 1-D mesh over the torchrun world, priced on a given plan's hardware, else on CPU
@@ -88,8 +89,11 @@ def autoparallelize(model: nn.Module, example_inputs, *, mesh: Mesh | tuple | No
     (CUDA when this machine has it). `verify=True` checks the IR between passes (autopar/ir.py).
     `baselines` (price the textbook recipes for the plan's comparison table) defaults to yes for SPMD
     plans and the layout search, no for a forced pipeline (a recipe there is a solve per stage layout).
+    `compile=True` runs each rank's program (each stage's, pipelined) as code Inductor generates at the first
+    step; None takes the faster measured choice for the device type (`autopar.runtime.compile`).
     The other options are `plan`'s."""
     _, world = init_distributed(device)
+    compile = resolve_compile(compile, device_type())
     if device_type() == "cpu":
         keep_freed_memory()  # else glibc page-faults every step's activations in again (runtime/cpu_memory.py)
     mesh = _world_mesh(mesh, world, plan)
@@ -107,12 +111,12 @@ def autoparallelize(model: nn.Module, example_inputs, *, mesh: Mesh | tuple | No
             schedule=schedule, virtual_stages=virtual_stages, example_kwargs=example_kwargs, loss_fn=loss_fn,
             verify=verify, device_type=device_type(), device=local_device(), broadcast=broadcast_plan,
             mixed_precision=mixed_precision, recompute=recompute, strategy=strategy, memory_budget=memory_budget,
-            optimizer=optimizer, time_limit=time_limit, baselines=bool(baselines), init_fn=init_fn)
+            optimizer=optimizer, time_limit=time_limit, baselines=bool(baselines), init_fn=init_fn, compile=compile)
     _reject_pipeline_options("autoparallelize", num_microbatches, schedule, virtual_stages)
     return parallelize_spmd(model, example_inputs, mesh=mesh, plan=plan, example_kwargs=example_kwargs,
                             loss_fn=loss_fn, strategy=strategy, memory_budget=memory_budget, optimizer=optimizer,
                             time_limit=time_limit, baselines=baselines is not False, mixed_precision=mixed_precision,
-                            recompute=recompute, verify=verify, init_fn=init_fn)
+                            recompute=recompute, verify=verify, init_fn=init_fn, compile=compile)
 
 
 def scaling(model: nn.Module, example_inputs, *, devices: Sequence[int] = (1, 2, 4, 8), hardware="cpu",

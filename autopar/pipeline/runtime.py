@@ -54,6 +54,7 @@ from autopar.pipeline import planning as pp
 from autopar.plan import Plan
 from autopar.planning.spmd import fingerprint
 from autopar.runtime import checkpoint, safetensors_io, state
+from autopar.runtime import compile as compiling
 from autopar.runtime.batch import BatchLayout, DataParallelInputs, input_reads
 from autopar.runtime.materialize import model_tensors
 from autopar.runtime.tensors import distinct, get_tensor, is_unit_seed, set_tensor
@@ -67,7 +68,7 @@ def parallelize_pipelined(model: nn.Module, example_inputs: tuple, *, mesh: Mesh
                           example_kwargs=None, loss_fn=None, verify: bool = False, device_type: str = "cpu",
                           device: str = "cpu", broadcast=None, mixed_precision=None, recompute=None,
                           strategy="auto", memory_budget=None, optimizer: str = "adamw", time_limit=None,
-                          baselines: bool = False, init_fn=None) -> "PipelinedModule":
+                          baselines: bool = False, init_fn=None, compile: bool = False) -> "PipelinedModule":
     """The pipelined branch of `autopar.autoparallelize` (called with the resolved mesh of the world)."""
     if mixed_precision is not None or recompute not in (None, "none"):
         raise InputError("mixed_precision and recompute are not supported with pipelined plans yet")
@@ -97,12 +98,14 @@ def parallelize_pipelined(model: nn.Module, example_inputs: tuple, *, mesh: Mesh
     ctx = PassContext(stage_plan, tuple(mesh.shape[1:]), coords=coords[1:],
                       group_names=tuple(sub_dm.get_group(a).group_name for a in range(mesh.ndim - 1)),
                       grad_names=tuple(captured.grad_param_names), device=device,
-                      disabled=frozenset({"bucket_collectives"}))  # a bucket must not mix two stages' grads
+                      disabled=frozenset({"bucket_collectives"})  # a bucket must not mix two stages' grads
+                      | (compiling.EAGER_ONLY_PASSES if compile else frozenset()))
     reads = input_reads(captured, stage_plan)  # before the passes rewrite the inputs' users
     gm = run_passes(captured.gm, ctx, verify=verify)
     gm = defer_grad_reductions_pass(gm, ctx)   # gradient all-reduces: once per step, in train_step
     units = [list(s.modules) for s in plan.stages]
     programs = split_stages(gm, units, [u for s in units for u in s], list(captured.grad_param_names))
+    programs = [compiling.compile_stage(p) for p in programs] if compile else programs
     return PipelinedModule(model, captured, plan, programs, device_mesh, sub_dm, coords, stage_plan, device,
                            init_fn=init_fn, input_reads=reads)
 
@@ -312,6 +315,14 @@ class PipelinedModule(DataParallelInputs, nn.Module):
         """Forward-only evaluation of every micro-batch: the mean loss, no gradients."""
         with torch.no_grad():
             return self._run(inputs, kwargs, train=False)
+
+    @property
+    def compile_seconds(self) -> float | None:
+        """Inductor's compile time of this rank's stage programs (None: eager, or not compiled yet)."""
+        return compiling.compile_seconds([g for s in self._stages for g in (s.program.forward, s.program.backward)])
+
+    def extra_repr(self) -> str:
+        return compiling.describe([g for s in self._stages for g in (s.program.forward, s.program.backward)])
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor]:

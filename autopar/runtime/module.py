@@ -25,6 +25,7 @@ from autopar.passes.context import parse_spec
 from autopar.plan import Plan
 from autopar.planning.spmd import fingerprint, plan_captured
 from autopar.runtime import checkpoint, safetensors_io, state
+from autopar.runtime import compile as compiling
 from autopar.runtime.batch import BatchLayout, DataParallelInputs, input_reads
 from autopar.runtime.launch import broadcast_plan, device_type, local_device
 from autopar.runtime.materialize import is_meta, stream_tensors
@@ -34,7 +35,7 @@ from autopar.runtime.tensors import distinct, get_tensor, is_unit_seed, owner_of
 def parallelize_spmd(model: nn.Module, example_inputs: tuple, *, mesh: Mesh, plan: Plan | None, example_kwargs=None,
                      loss_fn=None, strategy="auto", memory_budget=None, optimizer: str = "adamw", time_limit=None,
                      baselines: bool = True, mixed_precision=None, recompute=None, verify: bool = False,
-                     init_fn=None) -> "ParallelModule":
+                     init_fn=None, compile: bool = False) -> "ParallelModule":
     """The SPMD branch of `autopar.autoparallelize` (autopar/api.py), in a joined process group whose
     world is `mesh`: capture, plan on rank 0 (or check `plan`), rewrite for this rank, place the weights."""
     policy = precision.resolve_with_plan(mixed_precision, plan)  # None: fp32
@@ -50,10 +51,12 @@ def parallelize_spmd(model: nn.Module, example_inputs: tuple, *, mesh: Mesh, pla
     device_mesh = init_device_mesh(device_type(), tuple(mesh.shape), mesh_dim_names=tuple(mesh.axis_names))
     ctx = PassContext(plan, tuple(mesh.shape), coords=tuple(device_mesh.get_coordinate()),
                       group_names=tuple(device_mesh.get_group(a).group_name for a in range(mesh.ndim)),
-                      grad_names=tuple(captured.grad_param_names), device=local_device())
+                      grad_names=tuple(captured.grad_param_names), device=local_device(),
+                      disabled=compiling.EAGER_ONLY_PASSES if compile else frozenset())
     reads = input_reads(captured, plan)  # before the passes rewrite the inputs' users
     gm = run_passes(captured.gm, ctx, verify=verify)
-    return ParallelModule(model, captured, plan, gm, device_mesh, ctx, init_fn=init_fn, input_reads=reads)
+    return ParallelModule(model, captured, plan, gm, device_mesh, ctx, init_fn=init_fn, input_reads=reads,
+                          compile=compile)
 
 
 class JointStepFunction(torch.autograd.Function):
@@ -91,11 +94,13 @@ class ParallelModule(DataParallelInputs, nn.Module):
     needs_inputs = True   # every rank's program reads the inputs (a pipeline's first stage only)
 
     def __init__(self, model, captured, plan: Plan, gm, device_mesh: DeviceMesh, ctx: PassContext,
-                 init_fn=None, input_reads=None):
+                 init_fn=None, input_reads=None, compile: bool = False):
         super().__init__()
         self.plan = plan
         checkpoint.register_hooks(self)  # strided shards leave state_dict() as plain shards (DCP-savable)
         object.__setattr__(self, "gm", gm)  # the program: not a submodule (no state of its own)
+        # what runs it: the GraphModule itself, or Inductor's code for it (autopar/runtime/compile.py)
+        object.__setattr__(self, "program", compiling.CompiledProgram(gm) if compile else gm)
         object.__setattr__(self, "device_mesh", device_mesh)
         self._param_names = list(captured.param_names)
         self._buffer_names = list(captured.buffer_names)
@@ -157,7 +162,7 @@ class ParallelModule(DataParallelInputs, nn.Module):
         """The joint graph on the parameters' local shards: (the loss, each parameter's local gradient
         or None), computed without autograd recording."""
         with torch.no_grad():
-            outs = self.gm(*[compat.local_tensor(p) for p in params], *rest)
+            outs = self.program(*[compat.local_tensor(p) for p in params], *rest)
         return outs[0], self.grads_by_param(outs[1:])
 
     def forward(self, *inputs, **kwargs) -> torch.Tensor:
@@ -194,6 +199,14 @@ class ParallelModule(DataParallelInputs, nn.Module):
         (or a global one): then train_step goes through `self(...)` and autograd, which run them."""
         return (not torch.is_grad_enabled() or any(compat.module_hook_ids(self) + compat.module_hook_ids())
                 or any(compat.has_grad_hooks(owner._parameters[leaf]) for owner, leaf in self._param_owners))
+
+    @property
+    def compile_seconds(self) -> float | None:
+        """Inductor's first-step compile time (None: eager, or not compiled yet)."""
+        return compiling.compile_seconds([self.program])
+
+    def extra_repr(self) -> str:
+        return compiling.describe([self.program])
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,129 @@
+"""Compiled per-rank programs: `autoparallelize(..., compile=True)` lowers each rank's joint graph (SPMD) and
+each pipeline stage's forward and backward programs through Inductor, functional collectives included.
+
+A program is the ATen graph the passes emit, so it needs no Dynamo: `CompiledProgram` hands the GraphModule
+itself to Inductor (`_torch_compat.inductor_compile`: aot_autograd's decompositions, then `compile_fx_inner`)
+at its first call, for that call's shapes and dtypes, and runs the compiled code from then on. The whole
+step is one compiled program (one Inductor graph per program: `CompiledProgram.outputs`), so there is
+nothing for a graph break to cut.
+
+Collectives stay asynchronous: Inductor lowers each `_c10d_functional` collective to a call that starts it
+and a separate `wait_tensor`, and with `INDUCTOR_PATCHES` buckets the gradient all-reduces, reduce-scatters
+and parameter all-gathers (as autopar's `bucket_collectives` does eagerly) and sinks each wait to the first
+use of its result (the gradients' waits: the end of the step), so the backward's compute overlaps them.
+autopar's own eager bucketing passes (`EAGER_ONLY_PASSES`) are switched off for a compiled program: they
+write gradients in place into flat buffers (`all_reduce_`, `mm(out=...)`), which a functional compiler
+cannot take; Inductor's bucketing does the same job inside the compiled program.
+
+The default (`compile=None`) is the faster measured choice per device type (`DEFAULT`); the module's repr
+says which ran (`describe`). First-call compile time is kept in `compile_seconds`; Inductor's FX graph cache
+(TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER) serves a restarted job with the same program.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.fx as fx
+
+from autopar import _torch_compat as compat
+from autopar.errors import InputError
+from autopar.passes.ops import BUCKET_BYTES
+
+# Passes whose eager-runtime ops (flat in-place buckets) Inductor cannot trace; correct without them (OPTIONAL).
+EAGER_ONLY_PASSES = frozenset({"bucket_collectives", "bucket_layer_gathers", "schedule_overlap",
+                               "grads_into_buckets"})
+
+def _bucket_mb(bucket_index: int) -> float:
+    """Inductor's bucket size (MB), as autopar's eager buckets (passes/ops.BUCKET_BYTES) and DDP's default: one
+    bucket of everything (Inductor's 2,000 MB default) would start only after the last gradient."""
+    return BUCKET_BYTES / 2**20
+
+
+# Inductor's own bucketing of the collectives and its comm/compute reordering (waits sunk to their first use).
+INDUCTOR_PATCHES = {
+    "bucket_all_reduces_fx": "all",
+    "bucket_reduce_scatters_fx": "all",
+    "bucket_all_gathers_fx": "all",
+    "bucket_all_reduces_fx_bucket_size_determinator": _bucket_mb,
+    "bucket_reduce_scatters_fx_bucket_size_determinator": _bucket_mb,
+    "bucket_all_gathers_fx_bucket_size_determinator": _bucket_mb,
+    "reorder_for_compute_comm_overlap": True,
+}
+
+# compile=None per device type: the faster measured choice (benchmarks/step_time.py --compile, docs/performance.md).
+DEFAULT = {"cpu": False, "cuda": True}
+
+
+def resolve(compile: bool | None, device_type: str) -> bool:
+    """`compile` as given, or the measured default for this device type."""
+    if compile is None:
+        return DEFAULT.get(device_type, False)
+    if not isinstance(compile, bool):
+        raise InputError(f"compile={compile!r}: pass True (Inductor), False (the eager FX program) or None "
+                         f"(the measured default for the device: {DEFAULT})")
+    return compile
+
+
+class CompiledProgram:
+    """A drop-in for a per-rank GraphModule: `program(*args)` -> the graph's outputs, computed by the code
+    Inductor generated for `gm` (compiled at the first call, again only if the arguments' shapes, strides
+    or dtypes change)."""
+
+    def __init__(self, gm: fx.GraphModule, name: str = "step"):
+        self.gm, self.name = gm, name
+        self.outputs: list = []              # Inductor's OutputCode of each compile (one per program)
+        self.compile_seconds: float | None = None   # the first compile's wall time
+        self.cache: dict = {}                # the first compile's FX graph cache counters (hit / miss)
+        self._fn, self._key = None, None
+
+    def __call__(self, *args):
+        key = tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+        if key != self._key:
+            self._compile(args)
+            self._key = key
+        return self._fn(*args)
+
+    def _compile(self, args) -> None:
+        before = compat.compile_counters().get("inductor", {})
+        start = time.perf_counter()
+        self._fn = compat.inductor_compile(self.gm, list(args), INDUCTOR_PATCHES, self.outputs.append)
+        if self.compile_seconds is None:
+            self.compile_seconds = time.perf_counter() - start
+            after = compat.compile_counters().get("inductor", {})
+            self.cache = {k.removeprefix("fxgraph_cache_"): after.get(k, 0) - before.get(k, 0)
+                          for k in ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")}
+
+    @property
+    def source(self) -> str:
+        """The Python wrapper Inductor generated (the last compile's)."""
+        return compat.output_source(self.outputs[-1]) if self.outputs else ""
+
+
+def compile_programs(programs: list) -> list:
+    """Each of `programs` (GraphModules) as a `CompiledProgram`."""
+    return [CompiledProgram(gm) for gm in programs]
+
+
+def compile_stage(program):
+    """A pipeline stage's program (`passes/split_stages.StageProgram`) with its forward and backward compiled."""
+    return dataclasses.replace(program, forward=CompiledProgram(program.forward, f"stage {program.index} forward"),
+                               backward=CompiledProgram(program.backward, f"stage {program.index} backward"))
+
+
+def compile_seconds(programs: list) -> float | None:
+    """Total first-call compile time of the compiled ones among `programs` (None before any compiled)."""
+    times = [p.compile_seconds for p in programs if isinstance(p, CompiledProgram) and p.compile_seconds is not None]
+    return sum(times) if times else None
+
+
+def describe(programs: list) -> str:
+    """One line for a module's repr: which program runs (compiled or eager) and its compile time."""
+    compiled = [p for p in programs if isinstance(p, CompiledProgram)]
+    if not compiled:
+        return "program=eager FX (compile=False)"
+    seconds = compile_seconds(compiled)
+    when = "not yet compiled (at the first step)" if seconds is None else f"first-step compile {seconds:.1f} s"
+    hits = sum(p.cache.get("hit", 0) for p in compiled)
+    return f"program=Inductor ({len(compiled)} graph(s), {when}, FX graph cache hits {hits})"
