@@ -9,6 +9,10 @@
    the plan's predicted step time under `--hardware`, autopar's measured median step (forward,
    backward, AdamW; CUDA-synchronised wall clock) and the unmodified model's eager step
    (torch.autocast for bf16) for reference. Prints predicted / measured and autopar / eager.
+3. Compiled (unless --no-compile): the numerics of `autoparallelize(..., compile=True)` (each rank's program
+   compiled by Inductor) against the unmodified model, and per precision its step against the unmodified
+   model under `torch.compile` (the issue's criterion: autopar compiled <= 1.00x torch.compile'd PyTorch),
+   with the first (compiling) step's time of each.
 
 `--device cpu --small` runs the same code on CPU/gloo with a 2-layer GPT (a smoke test of the script).
 """
@@ -36,14 +40,15 @@ def batch(cfg: GPTConfig, b: int, t: int, seed: int) -> tuple[torch.Tensor, torc
     return x[:, :-1].contiguous().to(DEV), x[:, 1:].contiguous().to(DEV)
 
 
-def check_numerics() -> str:
-    """3 AdamW steps of autopar (world 1, NCCL) and of the unmodified model; largest differences."""
+def check_numerics(compile: bool = False) -> str:
+    """3 AdamW steps of autopar (world 1, NCCL; `compile`: its program compiled by Inductor) and of the
+    unmodified model; largest differences."""
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)
     ref = GPT(cfg).to(DEV)
     model = copy.deepcopy(ref)
     batches = [batch(cfg, 4, 64, s) for s in range(3)]
-    pmodel = autoparallelize(model, batches[0], device=DEV)
+    pmodel = autoparallelize(model, batches[0], device=DEV, compile=compile)
     opt_p = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
     opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     loss_diff = 0.0
@@ -58,7 +63,7 @@ def check_numerics() -> str:
     param_diff = max((full[k].float().to(DEV) - v.float()).abs().max().item() for k, v in ref.state_dict().items()
                      if k in full)
     ok = loss_diff <= 1e-5 + 1e-4 * abs(lr_.item()) and param_diff <= 2e-5
-    return (f"numerics (GPT 2x64, fp32, 3 AdamW steps, NCCL world 1): max |loss diff| {loss_diff:.2e}, "
+    return (f"numerics (GPT 2x64, fp32, 3 AdamW steps, NCCL world 1, compile={compile}): max |loss diff| {loss_diff:.2e}, "
             f"max |param diff| {param_diff:.2e} -> {'OK' if ok else 'MISMATCH'}")
 
 
@@ -80,7 +85,9 @@ def median_step(step, batches, steps: int) -> float:
     return statistics.median(times)
 
 
-def time_gpt2(precision: str, hardware: str, steps: int, small: bool) -> str:
+def time_gpt2(precision: str, hardware: str, steps: int, small: bool, compile: bool = False) -> str:
+    """autopar's step (`compile`: its compiled program) against the unmodified model's (`compile`: under
+    torch.compile), both in `precision`, and the plan's prediction."""
     # GPT-2 124M: 12 layers, 768 wide, 50304 vocabulary, tied embeddings (--small: a 2-layer smoke test)
     cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64) if small else GPTConfig()
     seq = cfg.block_size
@@ -90,13 +97,15 @@ def time_gpt2(precision: str, hardware: str, steps: int, small: bool) -> str:
     mp = "bf16" if precision == "bf16" else None
     mesh = autopar.Mesh((1,), hardware=hardware)
     t0 = time.perf_counter()
-    pmodel = autoparallelize(copy.deepcopy(base), batches[0], mesh=mesh, device=DEV, mixed_precision=mp)
+    pmodel = autoparallelize(copy.deepcopy(base), batches[0], mesh=mesh, device=DEV, mixed_precision=mp,
+                             compile=compile)
     setup = time.perf_counter() - t0
     opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-4, fused=DEV == "cuda")
 
     def ap_step(x, y):
         pmodel.train_step(x, y)
         opt.step(); opt.zero_grad(set_to_none=True)
+    first = first_step(ap_step, batches[0])
     measured = median_step(ap_step, batches, steps)
     predicted = pmodel.plan.predicted_step_time
     pmodel = opt = None  # free the device memory before the eager runs
@@ -104,16 +113,28 @@ def time_gpt2(precision: str, hardware: str, steps: int, small: bool) -> str:
         torch.cuda.empty_cache()
 
     eager_opt = torch.optim.AdamW(base.parameters(), lr=1e-4, fused=DEV == "cuda")
+    run = torch.compile(base) if compile else base
 
     def eager_step(x, y):
         with torch.autocast(DEV, dtype=torch.bfloat16, enabled=mp is not None):
-            loss = base(x, y)
+            loss = run(x, y)
         loss.backward()
         eager_opt.step(); eager_opt.zero_grad(set_to_none=True)
+    eager_first = first_step(eager_step, batches[0])
     eager = median_step(eager_step, batches, steps)
-    return (f"{'GPT 2x64' if small else 'GPT-2 124M'} b8x{seq} {precision:5s}: predicted {predicted * 1e3:7.1f} ms, autopar measured "
-            f"{measured * 1e3:7.1f} ms (predicted/measured {predicted / measured:.2f}), eager "
-            f"{eager * 1e3:7.1f} ms (autopar/eager {measured / eager:.2f}); plan+rewrite {setup:.0f} s")
+    who, ref = ("autopar compiled", "torch.compile") if compile else ("autopar", "eager")
+    return (f"{'GPT 2x64' if small else 'GPT-2 124M'} b8x{seq} {precision:5s}: predicted {predicted * 1e3:7.1f} ms, "
+            f"{who} measured {measured * 1e3:7.1f} ms (predicted/measured {predicted / measured:.2f}), {ref} "
+            f"{eager * 1e3:7.1f} ms ({who}/{ref} {measured / eager:.2f}); plan+rewrite {setup:.0f} s, first step "
+            f"{first:.1f} s ({ref}: {eager_first:.1f} s)")
+
+
+def first_step(step, args) -> float:
+    """The first step's wall time (a compiled variant's includes its compile)."""
+    t0 = time.perf_counter()
+    step(*args)
+    sync()
+    return time.perf_counter() - t0
 
 
 def main(argv=None) -> None:
@@ -123,6 +144,7 @@ def main(argv=None) -> None:
     p.add_argument("--skip-numerics", action="store_true")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test of this script")
     p.add_argument("--small", action="store_true", help="a 2-layer GPT instead of GPT-2 124M")
+    p.add_argument("--no-compile", action="store_true", help="skip the compiled variants (compile=True, torch.compile)")
     args = p.parse_args(argv)
     global DEV
     DEV = args.device
@@ -132,13 +154,17 @@ def main(argv=None) -> None:
     if "RANK" not in os.environ:
         sys.exit("run under torchrun: torchrun --nproc_per_node 1 benchmarks/gpu_check.py")
     print(f"{torch.cuda.get_device_name() if DEV == 'cuda' else 'CPU'} torch {torch.__version__}, hardware {args.hardware}", flush=True)
+    modes = (False,) if args.no_compile else (False, True)
     if not args.skip_numerics:
-        print(check_numerics(), flush=True)
+        for compile in modes:
+            print(check_numerics(compile), flush=True)
     for precision in ("fp32", "bf16"):
-        try:
-            print(time_gpt2(precision, args.hardware, args.steps, args.small), flush=True)
-        except Exception as e:  # a failure is a finding: print it and go on to the next variant
-            print(f"GPT-2 124M {precision}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+        for compile in modes:
+            try:
+                print(time_gpt2(precision, args.hardware, args.steps, args.small, compile), flush=True)
+            except Exception as e:  # a failure is a finding: print it and go on to the next variant
+                print(f"GPT-2 124M {precision} compile={compile}: FAILED {type(e).__name__}: {str(e)[:400]}",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 2 benchmarks/step_time.py                  # ~3-5 minutes on 2 shared cores
     torchrun --nproc_per_node 2 benchmarks/step_time.py --profile dp,DDP  # + torch.profiler: time by
                                                                           # category, then by op
+    torchrun --nproc_per_node 2 benchmarks/step_time.py --compile         # compiled programs (below)
 
 One step = zero_grad + forward + backward + AdamW step. Every variant is built once, then the
 variants take turns (`--rounds` rounds of `--steps` timed steps each, after `--warmup` untimed
@@ -34,6 +35,14 @@ Variants (same seeded GPT, same global batch):
                                    `LocalHeadAttention` (same Linear modules, head count read from
                                    the local width) and c_attn's rows are reordered so that rank r's
                                    contiguous shard holds [q_r; k_r; v_r] (its own heads).
+
+--compile adds, per autopar strategy, `autoparallelize(..., compile=True)` ("autopar dp c": each rank's
+program compiled by Inductor, autopar/runtime/compile.py) and puts each native variant under
+`torch.compile` ("DDP c", "FSDP2 c", "TP c": forward and backward compiled; Dynamo's DDP optimizer splits
+DDP's graph at its buckets, FSDP2's hooks stay eager). A compiled autopar variant is paired with the
+compiled native counterpart and with its own eager program; the optimizer step stays eager everywhere.
+"first s" is the first (untimed) step: for compiled variants, the compile (Inductor's FX graph cache
+serves a rerun: run twice to see the warm figure).
 """
 from __future__ import annotations
 
@@ -119,8 +128,10 @@ def _param_groups(module: nn.Module) -> list[dict]:
 class Variant:
     """One way of training the model: a step function over the global batch, and its timings."""
 
-    def __init__(self, name: str, kind: str, module: nn.Module, step_fn, lr: float = 1e-3, foreach=None):
-        self.name, self.kind, self.module = name, kind, module
+    def __init__(self, name: str, kind: str, module: nn.Module, step_fn, lr: float = 1e-3, foreach=None,
+                 compiled: bool = False):
+        self.name, self.kind, self.module, self.compiled = name, kind, module, compiled
+        self.first_s = float("nan")
         self.opt = torch.optim.AdamW(_param_groups(module), lr=lr, foreach=foreach)
         self._step_fn = step_fn
         self.times: list[float] = []
@@ -138,23 +149,28 @@ class Variant:
 
 
 def make_variants(model: GPT, example, world: int, rank: int, which: list[str], foreach=None,
-                  hardware="cpu") -> list[Variant]:
+                  hardware="cpu", compile_modes: tuple = (False,)) -> list[Variant]:
+    """autopar's variants (each in every mode of `compile_modes`), then the native ones (under torch.compile
+    when True is among the modes)."""
     out = []
     mesh = Mesh((world,), hardware=hardware)
-    for strategy in [s for s in AUTOPAR if s in which]:
+    for strategy, compiled in [(s, c) for s in AUTOPAR if s in which for c in compile_modes]:
         t0 = time.perf_counter()
-        pmodel = autoparallelize(copy.deepcopy(model), example, mesh=mesh, strategy=strategy)
-        v = Variant(f"autopar {strategy}", strategy, pmodel, lambda x, y, m=pmodel: m.train_step(x, y).item(),
-                    foreach=foreach)
+        pmodel = autoparallelize(copy.deepcopy(model), example, mesh=mesh, strategy=strategy, compile=compiled)
+        v = Variant(f"autopar {strategy}" + (" c" if compiled else ""), strategy, pmodel,
+                    lambda x, y, m=pmodel: m.train_step(x, y).item(), foreach=foreach, compiled=compiled)
         v.setup_s = time.perf_counter() - t0
         v.predicted = pmodel.plan.predicted_step_time
         v.plan = pmodel.plan
         out.append(v)
+    native_compiled = True in compile_modes
     for strategy, kind in NATIVE.items():
         if kind not in which:
             continue
         t0 = time.perf_counter()
         module, local = build_native(kind, model, world)
+        if native_compiled:
+            module = torch.compile(module)
 
         def fn(x, y, m=module, local=local):
             if local:
@@ -162,7 +178,8 @@ def make_variants(model: GPT, example, world: int, rank: int, which: list[str], 
             loss = m(x, y)
             loss.backward()
             return loss.item()
-        v = Variant(kind, strategy, module, fn, foreach=foreach)
+        v = Variant(kind + (" c" if native_compiled else ""), strategy, module, fn, foreach=foreach,
+                    compiled=native_compiled)
         v.setup_s, v.predicted = time.perf_counter() - t0, None
         out.append(v)
     return out
@@ -174,7 +191,10 @@ def warm_up(v: Variant, batches, steps: int, rank: int) -> bool:
     error = ""
     try:
         for i in range(steps):
+            t0 = time.perf_counter()
             v.step(*batches[i % len(batches)])
+            if i == 0:
+                v.first_s = time.perf_counter() - t0
     except Exception as e:  # reported, not hidden: the table says which variant failed and why
         error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     failed = torch.tensor([1.0 if error else 0.0])
@@ -264,10 +284,19 @@ def categories(events, steps: int) -> str:
 
 
 def _counterpart(v: Variant, natives: list[Variant], med: dict) -> Variant | None:
-    """The native variant an autopar variant is compared with (auto: the native with the least `med`)."""
+    """The native variant an autopar variant is compared with, compiled or not as it is (auto: the native
+    with the least `med`)."""
+    natives = [n for n in natives if n.compiled == v.compiled]
     if v.kind in NATIVE:
-        return next((n for n in natives if n.name == NATIVE[v.kind]), None)
+        return next((n for n in natives if n.kind == v.kind), None)
     return min(natives, key=lambda n: med[n.name]) if v.kind == "auto" and natives else None
+
+
+def _eager_twin(v: Variant, variants: list[Variant]) -> Variant | None:
+    """A compiled autopar variant's eager program (same strategy)."""
+    if not v.compiled:
+        return None
+    return next((e for e in variants if e.name.startswith("autopar") and e.kind == v.kind and not e.compiled), None)
 
 
 def _ratio(v: Variant, med: dict, natives: list[Variant]) -> str:
@@ -290,13 +319,13 @@ def paired(variants: list[Variant]) -> str:
     medians = {v.name: statistics.median(v.times) for v in variants}
     lines = []
     for v in (v for v in variants if v.name.startswith("autopar")):
-        n = _counterpart(v, natives, medians)
-        if n is None or len(v.times) < 2:
-            continue
-        ratios = [a / b for a, b in zip(v.times, n.times)]
-        q1, med, q3 = statistics.quantiles(ratios, n=4)
-        lines.append(f"  {v.name:<15} / {n.name:<6} median {med:.3f} (q1-q3 {q1:.3f}-{q3:.3f}); autopar faster "
-                     f"in {sum(r < 1 for r in ratios)} of {len(ratios)} pairs")
+        for n in (_counterpart(v, natives, medians), _eager_twin(v, variants)):
+            if n is None or len(v.times) < 2:
+                continue
+            ratios = [a / b for a, b in zip(v.times, n.times)]
+            q1, med, q3 = statistics.quantiles(ratios, n=4)
+            lines.append(f"  {v.name:<15} / {n.name:<15} median {med:.3f} (q1-q3 {q1:.3f}-{q3:.3f}); {v.name} "
+                         f"faster in {sum(r < 1 for r in ratios)} of {len(ratios)} pairs")
     return "paired steps (wall, same round and step index):\n" + "\n".join(lines) if lines else ""
 
 
@@ -305,13 +334,13 @@ def report(variants: list[Variant]) -> str:
     cpu = {v.name: statistics.median(v.cpu_times) for v in variants}
     natives = [v for v in variants if not v.name.startswith("autopar")]
     lines = [f"{'variant':<15}{'median s':>9}{'min':>8}{'cpu s':>8}{'cpu q1-q3':>14}{'optim':>8}{'predicted':>10}"
-             f"{'setup':>7}   {'ratio (wall)':<18}ratio (cpu)", "-" * 110]
+             f"{'setup':>7}{'first s':>8}   {'ratio (wall)':<18}ratio (cpu)", "-" * 118]
     for v in variants:
         pred = f"{v.predicted:.4f}" if v.predicted is not None else "-"
         opt = statistics.median(v.opt_times)
         q1, _, q3 = statistics.quantiles(v.cpu_times, n=4) if len(v.cpu_times) > 1 else [cpu[v.name]] * 3
         lines.append(f"{v.name:<15}{med[v.name]:>9.4f}{min(v.times):>8.4f}{cpu[v.name]:>8.4f}{f'{q1:.3f}-{q3:.3f}':>14}"
-                     f"{opt:>8.4f}{pred:>10}{v.setup_s:>7.1f}   {_ratio(v, med, natives):<18}{_ratio(v, cpu, natives)}")
+                     f"{opt:>8.4f}{pred:>10}{v.setup_s:>7.1f}{v.first_s:>8.1f}   {_ratio(v, med, natives):<18}{_ratio(v, cpu, natives)}")
     return "\n".join(lines)
 
 
@@ -335,6 +364,8 @@ def main(argv=None) -> None:
     p.add_argument("--hardware", default="calibrate",
                    help="what autopar plans for: 'calibrate' (default: `autopar calibrate`'s measurements, taken in "
                         "this job before building, ~15 s), a preset name (e.g. cpu) or a saved profile (JSON)")
+    p.add_argument("--compile", action="store_true",
+                   help="also autopar with compile=True (Inductor), and the native variants under torch.compile")
     p.add_argument("--profile", default=None, help="profile 3 steps of these variants, e.g. dp,DDP: time by category, then by op")
     args = p.parse_args(argv)
 
@@ -354,7 +385,8 @@ def main(argv=None) -> None:
     batches = [(torch.randint(0, args.vocab, (args.batch, args.block), generator=gen),
                 torch.randint(0, args.vocab, (args.batch, args.block), generator=gen)) for _ in range(4)]
     variants = make_variants(model, batches[0], world, rank, args.only.split(","),
-                             foreach=True if args.foreach == "on" else None, hardware=hardware)
+                             foreach=True if args.foreach == "on" else None, hardware=hardware,
+                             compile_modes=(False, True) if args.compile else (False,))
     if rank == 0:
         print(f"world {world}, threads/rank {torch.get_num_threads()}, GPT {args.layers}L {args.embd}d "
               f"{args.heads}h vocab {args.vocab}, batch {args.batch}x{args.block}, "

@@ -50,6 +50,10 @@ INDUCTOR_PATCHES = {
     "bucket_reduce_scatters_fx_bucket_size_determinator": _bucket_mb,
     "bucket_all_gathers_fx_bucket_size_determinator": _bucket_mb,
     "reorder_for_compute_comm_overlap": True,
+    # Inductor's recommended order (its config.py): without a list the reordering pass does nothing
+    "reorder_for_compute_comm_overlap_passes": ["reorder_communication_preserving_peak_memory",
+                                                "sink_waits_iterative",
+                                                "reorder_communication_preserving_peak_memory"],
 }
 
 # compile=None per device type: the faster measured choice (benchmarks/step_time.py --compile, docs/performance.md).
@@ -73,7 +77,8 @@ class CompiledProgram:
 
     def __init__(self, gm: fx.GraphModule, name: str = "step"):
         self.gm, self.name = gm, name
-        self.outputs: list = []              # Inductor's OutputCode of each compile (one per program)
+        self.outputs: list = []              # Inductor's OutputCode of each compile that ran Inductor's backend
+        self.graphs: list[int] = []          # Inductor graphs each compile made or loaded (one: no split)
         self.compile_seconds: float | None = None   # the first compile's wall time
         self.cache: dict = {}                # the first compile's FX graph cache counters (hit / miss)
         self._fn, self._key = None, None
@@ -89,15 +94,17 @@ class CompiledProgram:
         before = compat.compile_counters().get("inductor", {})
         start = time.perf_counter()
         self._fn = compat.inductor_compile(self.gm, list(args), INDUCTOR_PATCHES, self.outputs.append)
+        after = compat.compile_counters().get("inductor", {})
+        cache = {k.removeprefix("fxgraph_cache_"): after.get(k, 0) - before.get(k, 0)
+                 for k in ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")}
+        self.graphs.append(sum(cache.values()))   # each graph Inductor compiles or loads passes its FX graph cache
         if self.compile_seconds is None:
-            self.compile_seconds = time.perf_counter() - start
-            after = compat.compile_counters().get("inductor", {})
-            self.cache = {k.removeprefix("fxgraph_cache_"): after.get(k, 0) - before.get(k, 0)
-                          for k in ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")}
+            self.compile_seconds, self.cache = time.perf_counter() - start, cache
 
     @property
     def source(self) -> str:
-        """The Python wrapper Inductor generated (the last compile's)."""
+        """The Python wrapper Inductor generated (the last compile's; '' when aot_autograd's cache served the
+        whole program, without calling Inductor's backend)."""
         return compat.output_source(self.outputs[-1]) if self.outputs else ""
 
 
