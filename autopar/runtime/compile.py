@@ -15,8 +15,8 @@ autopar's own eager bucketing passes (`EAGER_ONLY_PASSES`) are switched off for 
 write gradients in place into flat buffers (`all_reduce_`, `mm(out=...)`), which a functional compiler
 cannot take; Inductor's bucketing does the same job inside the compiled program.
 
-The default (`compile=None`) is the faster measured choice per device type (`DEFAULT`); the module's repr
-says which ran (`describe`). First-call compile time is kept in `compile_seconds`; Inductor's FX graph cache
+The default (`compile=None`) is the faster measured choice per device type (`DEFAULT`: eager on CPU, where
+compiling does not pay; eager on CUDA until measured there); the module's repr says which ran (`describe`). First-call compile time is kept in `compile_seconds`; Inductor's FX graph cache
 (TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER) serves a restarted job with the same program.
 """
 from __future__ import annotations
@@ -56,8 +56,11 @@ INDUCTOR_PATCHES = {
                                                 "reorder_communication_preserving_peak_memory"],
 }
 
-# compile=None per device type: the faster measured choice (benchmarks/step_time.py --compile, docs/performance.md).
-DEFAULT = {"cpu": False, "cuda": True}
+# compile=None per device type. CPU: eager, measured (benchmarks/step_time.py --compile, docs/performance.md): the
+# compiled step is no faster there (paired medians 0.94-1.05x eager autopar; CPU time per step equal) and its first
+# step compiles for 20-130 s. CUDA: eager until benchmarks/gpu_check.py has measured the compiled program on a GPU
+# (no device was lent while it was built; the script times both, one command).
+DEFAULT = {"cpu": False, "cuda": False}
 
 
 def resolve(compile: bool | None, device_type: str) -> bool:
@@ -66,7 +69,7 @@ def resolve(compile: bool | None, device_type: str) -> bool:
         return DEFAULT.get(device_type, False)
     if not isinstance(compile, bool):
         raise InputError(f"compile={compile!r}: pass True (Inductor), False (the eager FX program) or None "
-                         f"(the measured default for the device: {DEFAULT})")
+                         f"(the default for the device: {DEFAULT})")
     return compile
 
 
