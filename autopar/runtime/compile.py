@@ -16,7 +16,7 @@ write gradients in place into flat buffers (`all_reduce_`, `mm(out=...)`), which
 cannot take; Inductor's bucketing does the same job inside the compiled program.
 
 The default (`compile=None`) is the faster measured choice per device type (`DEFAULT`: eager on CPU, where
-compiling does not pay; eager on CUDA until measured there); the module's repr says which ran (`describe`). First-call compile time is kept in `compile_seconds`; Inductor's FX graph cache
+compiling gains at most a few percent per step and costs a long first step; eager on CUDA until measured there); the module's repr says which ran (`describe`). First-call compile time is kept in `compile_seconds`; Inductor's FX graph cache
 (TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER) serves a restarted job with the same program.
 """
 from __future__ import annotations
@@ -56,10 +56,10 @@ INDUCTOR_PATCHES = {
                                                 "reorder_communication_preserving_peak_memory"],
 }
 
-# compile=None per device type. CPU: eager, measured (benchmarks/step_time.py --compile, docs/performance.md): the
-# compiled step is no faster there (paired medians 0.94-1.05x eager autopar; CPU time per step equal) and its first
-# step compiles for 20-130 s. CUDA: eager until benchmarks/gpu_check.py has measured the compiled program on a GPU
-# (no device was lent while it was built; the script times both, one command).
+# compile=None per device type. CPU: eager, measured (benchmarks/step_time.py --compile, two runs, docs/performance.md):
+# the compiled step's CPU time is 0.97-1.00x eager autopar's (paired wall medians 0.81-1.05x, within the machine's
+# noise), while its first step compiles for 20-130 s (2-28 s from a warm cache). CUDA: eager until
+# benchmarks/gpu_check.py has measured the compiled program on a GPU (none was lent while this was built).
 DEFAULT = {"cpu": False, "cuda": False}
 
 
