@@ -34,6 +34,8 @@ __all__ = [
     "dtensor_spec",
     "dtensor_grad",
     "has_grad_hooks",
+    "InitGroupHook",
+    "foreach_mul_",
 ]
 
 # DTensor's placement for a dim viewed as `split_factor` equal pieces, each sharded over the mesh axis
@@ -65,6 +67,23 @@ def dtensor_grad(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     else:
         spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=TensorMeta(meta.shape, tuple(stride), local.dtype))
     return DTensor(local, spec, requires_grad=False)
+
+
+class InitGroupHook:
+    """Mixin before a torch.optim optimizer class: its step() gathers each param group's per-tensor lists
+    (params, grads, states, steps) with the private `_init_group(group, *lists)` (every built-in
+    optimizer, torch 2.6-2.14), then hands them to its foreach/fused functional; this calls
+    `self._gathered(group, lists)` in between, which may replace the lists' items in place."""
+
+    def _init_group(self, group, *lists):
+        result = super()._init_group(group, *lists)
+        self._gathered(group, lists)
+        return result
+
+
+def foreach_mul_(tensors: list[torch.Tensor], scalar: torch.Tensor) -> None:
+    """Each tensor of `tensors` (one device and dtype) times `scalar`, in place, in one foreach kernel."""
+    torch._foreach_mul_(tensors, scalar)
 
 
 def has_grad_hooks(t: torch.Tensor) -> bool:

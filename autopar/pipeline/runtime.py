@@ -53,7 +53,7 @@ from autopar.passes.split_stages import StageProgram, split_stages
 from autopar.pipeline import planning as pp
 from autopar.plan import Plan
 from autopar.planning.spmd import fingerprint
-from autopar.runtime import checkpoint, safetensors_io, state
+from autopar.runtime import checkpoint, optim, safetensors_io, state
 from autopar.runtime.batch import BatchLayout, DataParallelInputs, input_reads
 from autopar.runtime.materialize import model_tensors
 from autopar.runtime.tensors import distinct, get_tensor, is_unit_seed, set_tensor
@@ -312,6 +312,13 @@ class PipelinedModule(DataParallelInputs, nn.Module):
         """Forward-only evaluation of every micro-batch: the mean loss, no gradients."""
         with torch.no_grad():
             return self._run(inputs, kwargs, train=False)
+
+    def optimizer(self, cls: type = torch.optim.AdamW, params=None, **options) -> torch.optim.Optimizer:
+        """This rank's parameters' optimizer stepping local shards; see `ParallelModule.optimizer`. Its
+        `clip_grad_norm_` counts every stage's gradients (a parameter shared by stages, once)."""
+        shared = [self.get_parameter(n) for n, _ in self._shared if self._owner[n] != self._pp_rank]
+        return optim.local_shard_optimizer(cls, self.parameters() if params is None else params, uncounted=shared,
+                                           **options)
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor]:
