@@ -208,3 +208,49 @@ def test_gpt_plans_step_as_torch_does_on_the_dtensors():
             for k in ref_state:
                 torch.testing.assert_close(state[k], ref_state[k], rtol=1e-6, atol=1e-9, msg=f"{label} {k}")
             assert norm == pytest.approx(one_norm, rel=1e-4), (label, norm, one_norm)
+
+
+# ---------------------------------------------------------------- cost model
+def test_fused_optimizer_plans_price_fused_step_overhead():
+    """optimizer="fused_adamw" (pmodel.optimizer) prices each parameter tensor's step with the profile's
+    fused_step_overhead, "adamw" with param_step_overhead: two weight matrices, exactly 2 × the difference;
+    same memory, same placements. Unmeasured (0, the presets), the fused plan prices as the other."""
+    import dataclasses
+
+    import autopar
+    from autopar.costmodel import hardware
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.ReLU(), torch.nn.Linear(16, 4, bias=False))
+    args = (torch.randn(4, 8),)
+    measured = dataclasses.replace(hardware.CPU, name="cpu-fused", param_step_overhead=1e-3, fused_step_overhead=4e-5)
+
+    def plan(hw, optimizer):
+        return autopar.plan(model, args, mesh=autopar.Mesh((2,), hardware=hw), strategy="dp", baselines=False,
+                            optimizer=optimizer, loss_fn=lambda out, x: out.square().mean())
+    dtensor, fused = plan(measured, "adamw"), plan(measured, "fused_adamw")
+    assert dtensor.predicted_step_time - fused.predicted_step_time == pytest.approx(2 * (1e-3 - 4e-5), rel=1e-9)
+    assert fused.memory_breakdown == dtensor.memory_breakdown and fused.params == dtensor.params
+    assert plan(hardware.CPU, "fused_adamw").predicted_step_time == plan(hardware.CPU, "adamw").predicted_step_time
+    with pytest.raises(InputError, match="fused_"):
+        plan(measured, "fused_lamb")
+
+
+def test_fused_step_overhead_round_trips_and_is_validated():
+    import dataclasses
+    import json
+
+    from autopar.calibration.measure import build_profile
+    from autopar.costmodel import hardware
+    from autopar.costmodel.hardware import HardwareSpec
+    from autopar.errors import HardwareError
+    assert "fused_step_overhead" not in hardware.H200.to_json()   # unset: profiles keep their fingerprints
+    hw = dataclasses.replace(hardware.CPU, name="cpu-calibrated", fused_step_overhead=20e-6)
+    assert HardwareSpec.from_json(json.dumps(hw.to_json())) == hw
+    assert hw.step_overhead(True) == 20e-6 and hw.step_overhead(False) == hw.param_step_overhead
+    with pytest.raises(HardwareError, match="fused_step_overhead"):
+        HardwareSpec.from_json({**hw.to_json(), "fused_step_overhead": -1.0})
+    spec = build_profile(hardware.CPU, [], matmul_flops=40e9, mem_bandwidth=2e10, op_overhead=8e-6,
+                         devices_per_node=None, fused_step_overhead=7e-6)
+    assert spec.fused_step_overhead == 7e-6
+    assert build_profile(hw, [], matmul_flops=40e9, mem_bandwidth=2e10, op_overhead=8e-6,
+                         devices_per_node=None).fused_step_overhead == 20e-6   # the base's when not measured
