@@ -3,7 +3,8 @@ on plain tensors of the same local shapes (the floor: what the step costs withou
 
     torchrun --nproc_per_node 2 benchmarks/optimizer_step.py     # ~1-2 minutes on 2 shared cores
 
-For each strategy (dp, zero3, tp, auto) the GPT is parallelized, one train_step fills p.grad, then these
+For each GPT (`--models`: the step_time GPT, 4 layers 256 wide, and 8 layers 64 wide, many small tensors
+where per-tensor costs show) and strategy (dp, zero3, tp, auto) the GPT is parallelized, one train_step fills p.grad, then these
 optimizers take turns, `--rounds` rounds of `--steps` timed `step()` calls each (each round starts one
 variant later, so load from other processes hits them alike):
   pm.optimizer fused      `pmodel.optimizer(torch.optim.AdamW)`: local shards, torch's fused kernel
@@ -80,8 +81,8 @@ def ratio(name: str, t: dict[str, float]) -> float:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--embd", type=int, default=256)
+    p.add_argument("--models", default="4x256,8x64",
+                   help="GPTs as LAYERSxWIDTH, comma-separated: the second has many small tensors (per-tensor costs)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--block", type=int, default=128)
@@ -96,33 +97,38 @@ def main(argv=None) -> None:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", rank % torch.cuda.device_count()) if torch.cuda.is_available() else torch.device("cpu")
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=args.vocab, block_size=args.block, n_layer=args.layers, n_head=args.heads,
-                       n_embd=args.embd)
-    model = GPT(config)
     gen = torch.Generator().manual_seed(0)
     batch = tuple(torch.randint(0, args.vocab, (args.batch, args.block), generator=gen) for _ in range(2))
     mesh = Mesh((world,), hardware=args.hardware)
     if rank == 0:
-        print(f"world {world}, {device.type}, threads/rank {torch.get_num_threads()}, GPT {args.layers}L "
-              f"{args.embd}d, {sum(q.numel() for q in model.parameters()) / 1e6:.2f}M params; "
+        print(f"world {world}, {device.type}, threads/rank {torch.get_num_threads()}; "
               f"median of {args.rounds}x{args.steps} AdamW steps, slowest rank", flush=True)
-        print(f"{'strategy':<8} {'tensors':>7} {'MB/rank':>8}  " + "  ".join(
+        print(f"{'GPT':<8} {'strategy':<8} {'tensors':>7} {'MB/rank':>8}  " + "  ".join(
             f"{n:>22}" for n in ("pm.optimizer fused", "pm.optimizer foreach", "DTensor foreach",
                                  "plain fused", "plain foreach", *(["DTensor default"] if args.slow else []))))
-    for strategy in args.strategies.split(","):
-        pmodel = autoparallelize(model, batch, mesh=mesh, strategy=strategy)
-        pmodel.train_step(*batch)
-        t = time_steps(variants(pmodel, args.slow), args.rounds, args.steps, device)
-        mb = sum(q.to_local().numel() * q.element_size() for q in pmodel.parameters()) / 1e6
-        if rank == 0:
-            cells = [f"{t[n] * 1e3:8.3f} ms" + (f" ({ratio(n, t):.2f}×)" if not n.startswith("plain") else " " * 8)
-                     for n in t]
-            print(f"{strategy:<8} {len(list(pmodel.parameters())):>7} {mb:>8.2f}  " + "  ".join(f"{c:>22}" for c in cells),
-                  flush=True)
+    for shape in args.models.split(","):
+        layers, width = (int(v) for v in shape.split("x"))
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=args.vocab, block_size=args.block, n_layer=layers, n_head=args.heads,
+                              n_embd=width))
+        for strategy in args.strategies.split(","):
+            run_one(model, batch, mesh, strategy, f"{layers}L {width}d", args, device, rank)
     if rank == 0:
         print("(×: over plain fused for a fused variant, over plain foreach otherwise)")
     dist.destroy_process_group()
+
+
+def run_one(model, batch, mesh, strategy: str, label: str, args, device, rank: int) -> None:
+    """One row: the optimizers of one plan, timed in turns."""
+    pmodel = autoparallelize(model, batch, mesh=mesh, strategy=strategy)
+    pmodel.train_step(*batch)
+    t = time_steps(variants(pmodel, args.slow), args.rounds, args.steps, device)
+    mb = sum(q.to_local().numel() * q.element_size() for q in pmodel.parameters()) / 1e6
+    if rank == 0:
+        cells = [f"{t[n] * 1e3:8.3f} ms" + (f" ({ratio(n, t):.2f}×)" if not n.startswith("plain") else " " * 8)
+                 for n in t]
+        print(f"{label:<8} {strategy:<8} {len(list(pmodel.parameters())):>7} {mb:>8.2f}  "
+              + "  ".join(f"{c:>22}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -167,7 +167,7 @@ def setup(args):
     log(describe_plan(pmodel.plan))
     log(f"data: each rank loads {args.batch // pmodel.data_parallel_size} of the {args.batch} windows of a step "
         f"(data_parallel_size {pmodel.data_parallel_size})")
-    opt = torch.optim.AdamW(pmodel.parameters(), lr=args.lr, weight_decay=0.0)
+    opt = pmodel.optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.0)   # AdamW on the local shards
     start, ckpt = 0, latest_checkpoint(args.checkpoint_dir)
     if ckpt is not None:
         start = load_checkpoint(pmodel, opt, ckpt)

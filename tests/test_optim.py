@@ -97,6 +97,22 @@ def _hand_placed(rank, world):
             states = [type(v).__name__ for st in opt.state.values() for k, v in st.items() if k != "step"]
             runs.append((fulls, states))
         out.append(runs)
+    # kept lists meet a step where one parameter has no gradient, then a new param group
+    partial = []
+    for make in (torch.optim.AdamW, lambda ps, **kw: local_shard_optimizer(torch.optim.AdamW, ps, **kw)):
+        params, extra = _dtensor_params(mesh), _dtensor_params(mesh, seed=1)[:1]
+        opt = make(params, lr=1e-2)
+        for step in range(4):
+            _set_grads(params, step)
+            if step == 1:
+                params[3].grad = None
+            if step == 2:
+                opt.add_param_group({"params": extra, "lr": 2e-2})
+            if step >= 2:
+                _set_grads(extra, step)
+            opt.step()
+        partial.append([p.full_tensor() for p in params + extra])
+    out.append([(partial[0], []), (partial[1], [])])
     # a gradient with other placements than its parameter (a hook redistributed it): redistributed back
     params, ref = _dtensor_params(mesh), _dtensor_params(mesh)
     opt, ref_opt = local_shard_optimizer(torch.optim.AdamW, params, lr=1e-2), torch.optim.AdamW(ref, lr=1e-2)
@@ -130,6 +146,9 @@ def test_hand_placed_dtensors_step_and_clip_as_torch_does():
         assert not isinstance(steps, str), steps
         assert not isinstance(clips, str), clips
         cases, redistributed = steps
+        (ref_partial, _), (partial, _) = cases.pop()
+        for x, y in zip(ref_partial, partial):
+            torch.testing.assert_close(y, x, rtol=1e-6, atol=0, msg="a step without a gradient, a new group")
         for (cls, options), ((ref, ref_states), (mine, states)) in zip(CASES, cases):
             assert states == ref_states and set(states) <= {"DTensor"}, (cls, options, states)
             for step, (a, b) in enumerate(zip(ref, mine)):

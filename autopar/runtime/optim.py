@@ -40,31 +40,80 @@ _CLASSES: dict[type, type] = {}
 
 
 class LocalShardSteps(compat.InitGroupHook):
-    """Mixin before a torch.optim class (`local_shard_class`): steps local shards, clips them."""
+    """Mixin before a torch.optim class (`local_shard_class`): steps local shards, clips them.
+
+    torch's `_init_group` costs ~2 µs more per DTensor than per plain tensor (`p.grad`, `torch.is_complex`
+    and `.is_sparse` go through the subclass's Python checks), so once every parameter of a group has a
+    gradient and its states (every list item set), the group's lists of local shards are kept and reused
+    (`_reuse`): a step then reads only each new gradient's local shard. `load_state_dict` and
+    `add_param_group` drop what was kept; so does a group whose parameters or state-shaping options change
+    (a state tensor replaced by hand in `optimizer.state` is not seen: load a state dict instead)."""
 
     _uncounted: frozenset = frozenset()    # ids of parameters another rank counts in the norm
     _writes_state_by_param = False         # SGD: step() stores new momentum buffers under its list's items
+    _kept: dict | None = None              # id(group) -> (key, lists but the gradients, _init_group's result)
 
-    def _gathered(self, group, lists) -> None:
+    def _key(self, group) -> tuple:
+        """What the kept lists depend on, besides the gradients."""
+        return (id(self.state), id(group["params"]), len(group["params"]), group.get("amsgrad"),
+                group.get("momentum"), group.get("fused"), group.get("capturable"))
+
+    def _reuse(self, group, lists):
+        kept = self._kept.get(id(group)) if self._kept else None
+        if kept is None or kept[0] != self._key(group):
+            return None
+        grads = [p.grad for p in group["params"]]
+        if any(g is None for g in grads):
+            return None
+        lists[1][:] = compat.local_tensors(self._matched(group["params"], grads))
+        for items, same in zip(lists, kept[1]):
+            if same is not None:
+                items[:] = same
+        if self._writes_state_by_param:
+            self._stepped.extend(group["params"])
+        return kept[2]
+
+    def _gathered(self, group, lists, result) -> None:
         """torch.optim's per-tensor lists of one param group, each DTensor replaced by its local shard."""
-        params, grads = lists[0], lists[1]
-        for i, (p, g) in enumerate(zip(params, grads)):
-            if isinstance(g, DTensor) and compat.dtensor_spec(g).placements != compat.dtensor_spec(p).placements:
-                grads[i] = g.redistribute(p.device_mesh, p.placements)
+        params = lists[0]
+        lists[1][:] = self._matched(params, lists[1])
         if self._writes_state_by_param:
             self._stepped.extend(params)
         for items in lists:
-            items[:] = [compat.local_tensor(t) if isinstance(t, DTensor) else t for t in items]
+            items[:] = compat.local_tensors(items)
+        if len(params) == len(group["params"]) and not any(t is None for items in lists for t in items):
+            if self._kept is None:
+                self._kept = {}
+            self._kept[id(group)] = (self._key(group), [None if k == 1 else list(items) for k, items in enumerate(lists)],
+                                     result)
+
+    @staticmethod
+    def _matched(params: list, grads: list) -> list:
+        """The gradients, each with its parameter's placements (redistributed where a hook changed them)."""
+        for i, (p, g) in enumerate(zip(params, grads)):
+            if isinstance(g, DTensor):
+                gp, pp = compat.dtensor_spec(g).placements, compat.dtensor_spec(p).placements
+                if gp is not pp and gp != pp:   # the runtime's gradients share their parameter's tuple
+                    grads[i] = g.redistribute(p.device_mesh, p.placements)
+        return grads
 
     def step(self, closure=None):
         self._stepped = []
         loss = super().step(closure)
-        for p in self._stepped:   # SGD keyed a first momentum buffer by the local shard: hand it to p
+        for p in self._stepped:   # SGD keyed a momentum buffer by the local shard: hand a new one to p
             state = self.state.pop(compat.local_tensor(p), None) if isinstance(p, DTensor) else None
             if state and self.state[p].get("momentum_buffer") is None:
                 self.state[p]["momentum_buffer"] = compat.dtensor_grad(state["momentum_buffer"],
                                                                        compat.dtensor_spec(p))
         return loss
+
+    def load_state_dict(self, state_dict) -> None:
+        self._kept = None
+        super().load_state_dict(state_dict)
+
+    def add_param_group(self, param_group) -> None:
+        self._kept = None
+        super().add_param_group(param_group)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -144,3 +193,9 @@ def _by_device_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t)
     return list(groups.values())
+
+
+# the built-in ones by name, so an optimizer of theirs pickles like torch's
+LocalShardAdam = local_shard_class(torch.optim.Adam)
+LocalShardAdamW = local_shard_class(torch.optim.AdamW)
+LocalShardSGD = local_shard_class(torch.optim.SGD)
