@@ -4,7 +4,7 @@ on plain tensors of the same local shapes (the floor: what the step costs withou
     torchrun --nproc_per_node 2 benchmarks/optimizer_step.py     # ~1-2 minutes on 2 shared cores
 
 For each GPT (`--models`: the step_time GPT, 4 layers 256 wide, and 8 layers 64 wide, many small tensors
-where per-tensor costs show) and strategy (dp, zero3, tp, auto) the GPT is parallelized, one train_step fills p.grad, then these
+where per-tensor costs show) and strategy (dp, zero3, tp, auto, a 2-stage pipeline) the GPT is parallelized, one train_step fills p.grad, then these
 optimizers take turns, `--rounds` rounds of `--steps` timed `step()` calls each (each round starts one
 variant later, so load from other processes hits them alike):
   pm.optimizer fused      `pmodel.optimizer(torch.optim.AdamW)`: local shards, torch's fused kernel
@@ -28,7 +28,7 @@ from autopar import autoparallelize
 from autopar._testing.gpt import GPT, GPTConfig
 from autopar.mesh import Mesh
 
-STRATEGIES = ("dp", "zero3", "tp", "auto")
+STRATEGIES = ("dp", "zero3", "tp", "auto", "pp2")   # pp2: 2 pipeline stages, each rank steps its stage
 LR = 1e-4   # small: the weights drift little over hundreds of timed steps
 
 
@@ -120,7 +120,8 @@ def main(argv=None) -> None:
 
 def run_one(model, batch, mesh, strategy: str, label: str, args, device, rank: int) -> None:
     """One row: the optimizers of one plan, timed in turns."""
-    pmodel = autoparallelize(model, batch, mesh=mesh, strategy=strategy)
+    kw = dict(num_stages=2, num_microbatches=2) if strategy == "pp2" else dict(strategy=strategy)
+    pmodel = autoparallelize(model, batch, mesh=mesh, **kw)
     pmodel.train_step(*batch)
     t = time_steps(variants(pmodel, args.slow), args.rounds, args.steps, device)
     mb = sum(q.to_local().numel() * q.element_size() for q in pmodel.parameters()) / 1e6
