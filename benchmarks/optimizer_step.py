@@ -12,8 +12,9 @@ variant later, so load from other processes hits them alike):
   DTensor foreach         `torch.optim.AdamW(pmodel.parameters(), foreach=True)`: DTensor dispatch
   DTensor default         `torch.optim.AdamW(pmodel.parameters())` (CPU: torch's per-tensor loop)
   plain fused / foreach   torch.optim.AdamW on plain tensors cloned from the local shards and gradients
-A figure is the median step of the slowest rank (all_reduce MAX of each rank's median); "× plain" divides
-by the plain run of the same kernel (fused by fused, foreach by foreach; DTensor by plain foreach).
+A figure is the median over rounds of the slowest rank's median step in that round (all_reduce MAX); "×"
+is paired: per round, the variant's time over the plain run of the same kernel in that round (fused by
+fused, foreach by foreach; DTensor by plain foreach), median over rounds, so that load drift cancels.
 """
 from __future__ import annotations
 
@@ -55,10 +56,10 @@ def variants(pmodel, slow: bool) -> dict[str, torch.optim.Optimizer]:
     return out
 
 
-def time_steps(opts: dict, rounds: int, steps: int, device: torch.device) -> dict[str, float]:
-    """Median seconds per step() of each optimizer, the slowest rank's."""
+def time_steps(opts: dict, rounds: int, steps: int, device: torch.device) -> dict[str, list[float]]:
+    """Per round, the median seconds per step() of each optimizer, the slowest rank's."""
     names = list(opts)
-    times: dict[str, list[float]] = {n: [] for n in names}
+    times: dict[str, list[list[float]]] = {n: [[] for _ in range(rounds)] for n in names}
     for opt in opts.values():   # warm-up: state allocated, kernels loaded
         opt.step()
     for r in range(rounds):
@@ -68,15 +69,17 @@ def time_steps(opts: dict, rounds: int, steps: int, device: torch.device) -> dic
                 t0 = time.perf_counter()
                 opts[name].step()
                 _sync(device)
-                times[name].append(time.perf_counter() - t0)
-    medians = torch.tensor([statistics.median(times[n]) for n in names], dtype=torch.float64)
+                times[name][r].append(time.perf_counter() - t0)
+    medians = torch.tensor([[statistics.median(times[n][r]) for r in range(rounds)] for n in names],
+                           dtype=torch.float64)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)
     return dict(zip(names, medians.tolist()))
 
 
-def ratio(name: str, t: dict[str, float]) -> float:
+def ratio(name: str, t: dict[str, list[float]]) -> float:
+    """Paired: the median over rounds of this variant's round median over its plain counterpart's, same round."""
     base = "plain fused" if name.endswith("fused") else "plain foreach"
-    return t[name] / t[base]
+    return statistics.median(a / b for a, b in zip(t[name], t[base]))
 
 
 def main(argv=None) -> None:
@@ -114,7 +117,7 @@ def main(argv=None) -> None:
         for strategy in args.strategies.split(","):
             run_one(model, batch, mesh, strategy, f"{layers}L {width}d", args, device, rank)
     if rank == 0:
-        print("(×: over plain fused for a fused variant, over plain foreach otherwise)")
+        print("(×: paired per round, over plain fused for a fused variant, over plain foreach otherwise)")
     dist.destroy_process_group()
 
 
@@ -126,7 +129,7 @@ def run_one(model, batch, mesh, strategy: str, label: str, args, device, rank: i
     t = time_steps(variants(pmodel, args.slow), args.rounds, args.steps, device)
     mb = sum(q.to_local().numel() * q.element_size() for q in pmodel.parameters()) / 1e6
     if rank == 0:
-        cells = [f"{t[n] * 1e3:8.3f} ms" + (f" ({ratio(n, t):.2f}×)" if not n.startswith("plain") else " " * 8)
+        cells = [f"{statistics.median(t[n]) * 1e3:8.3f} ms" + (f" ({ratio(n, t):.2f}×)" if not n.startswith("plain") else " " * 8)
                  for n in t]
         print(f"{label:<8} {strategy:<8} {len(list(pmodel.parameters())):>7} {mb:>8.2f}  "
               + "  ".join(f"{c:>22}" for c in cells), flush=True)
