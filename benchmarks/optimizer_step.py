@@ -1,12 +1,15 @@
 """Optimizer step time over the DTensor parameters of a GPT plan, against torch's fused and foreach AdamW
 on plain tensors of the same local shapes (the floor: what the step costs without DTensors).
 
-    torchrun --nproc_per_node 2 benchmarks/optimizer_step.py     # ~1-2 minutes on 2 shared cores
+    torchrun --nproc_per_node 2 benchmarks/optimizer_step.py --slow --rounds 10   # ~2 minutes, 2 shared cores
+    torchrun --nproc_per_node 1 benchmarks/optimizer_step.py --hardware h200       # a GPU (NCCL)
 
-For each GPT (`--models`: the step_time GPT, 4 layers 256 wide, and 8 layers 64 wide, many small tensors
-where per-tensor costs show) and strategy (dp, zero3, tp, auto, a 2-stage pipeline) the GPT is parallelized, one train_step fills p.grad, then these
-optimizers take turns, `--rounds` rounds of `--steps` timed `step()` calls each (each round starts one
-variant later, so load from other processes hits them alike):
+For each GPT (`--models`: the step_time GPT, 4 layers 256 wide, and 8 layers 64 wide, many small
+tensors where per-tensor costs show) and plan (dp, zero3, tp, auto, a 2-stage pipeline) the GPT is
+parallelized, one train_step fills p.grad, then these optimizers take turns, `--rounds` rounds of
+`--steps` timed `step()` calls each, in a seeded random order per round (load from other processes hits
+them alike, and no variant always runs right after the same one: torch's default loop on the DTensors
+churns the allocator and caches for whatever follows it):
   pm.optimizer fused      `pmodel.optimizer(torch.optim.AdamW)`: local shards, torch's fused kernel
   pm.optimizer foreach    the same with foreach=True
   DTensor foreach         `torch.optim.AdamW(pmodel.parameters(), foreach=True)`: DTensor dispatch
@@ -19,6 +22,7 @@ fused, foreach by foreach; DTensor by plain foreach), median over rounds, so tha
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
@@ -63,7 +67,9 @@ def time_steps(opts: dict, rounds: int, steps: int, device: torch.device) -> dic
     for opt in opts.values():   # warm-up: state allocated, kernels loaded
         opt.step()
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        order = list(names)
+        random.Random(r).shuffle(order)   # the same order on every rank; no variant always follows the same one
+        for name in order:
             for _ in range(steps):
                 _sync(device)
                 t0 = time.perf_counter()
