@@ -127,7 +127,7 @@ class LocalShardSteps(compat.InitGroupHook):
         grads = [compat.local_tensor(p.grad) if isinstance(p.grad, DTensor) else p.grad for p in params]
         counted = [g for p, g in zip(params, grads) if _counted(p) and id(p) not in self._uncounted]
         norm_type = float(norm_type)
-        device = grads[0].device if grads else torch.device("cpu")
+        device = self.param_groups[0]["params"][0].device   # a rank without gradients still joins the reduction
         norm = (torch.nn.utils.get_total_norm(counted, norm_type) if counted
                 else torch.zeros((), device=device)).to(device=device, dtype=torch.float32)
         if dist.is_initialized():
