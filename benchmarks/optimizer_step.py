@@ -106,6 +106,8 @@ def main(argv=None) -> None:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", rank % torch.cuda.device_count()) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     gen = torch.Generator().manual_seed(0)
     batch = tuple(torch.randint(0, args.vocab, (args.batch, args.block), generator=gen) for _ in range(2))
     mesh = Mesh((world,), hardware=args.hardware)
