@@ -35,13 +35,16 @@ import dataclasses
 import numpy as np
 import torch
 
+from autopar.capture import precision
 from autopar.costmodel.memory import parse_bytes
 from autopar.debug import PhaseTimer
-from autopar.errors import InputError, MeshError
+from autopar.errors import InfeasiblePlanError, InputError, MeshError
 from autopar.mesh import Mesh
-from autopar.pipeline.stages import INTERLEAVE  # chunks per device the search prices
+from autopar.pipeline.layer_profile import layer_costs
+from autopar.pipeline.stages import INTERLEAVE, chunk_in_flight, partition  # INTERLEAVE: chunks the search prices
 from autopar.plan import NodeChoice, ParamPlacement, Plan, StagePlan
-from autopar.planning import spmd
+from autopar.planning import assemble, spmd
+from autopar.planning import recompute as recompute_mod
 from autopar.planning.problem import ProblemBuilder
 from autopar.sharding import recipes
 
@@ -118,29 +121,33 @@ def microbatch(example_inputs: tuple, m: int) -> tuple:
 
 def plan_pipelined(model, example_inputs, *, mesh, num_stages=None, num_microbatches=None, schedule=None,
                    virtual_stages=None, example_kwargs=None, loss_fn=None, strategy="auto", memory_budget=None,
-                   optimizer: str = "adamw", time_limit=None, baselines: bool = False) -> Plan:
-    """`autopar.plan` for a forced pipeline: capture the micro-batch graph, then plan it."""
+                   optimizer: str = "adamw", time_limit=None, baselines: bool = False, mixed_precision=None,
+                   recompute=None) -> Plan:
+    """`autopar.plan` for a forced pipeline: capture the micro-batch graph (under the precision
+    policy, as `autopar.planning.spmd` captures the whole batch), then plan it."""
     from autopar.capture.canonicalize import canonicalize
     from autopar.capture.trace import capture
     mesh = pipeline_mesh(mesh if isinstance(mesh, Mesh) else Mesh(mesh), num_stages)
     m, schedule, v = schedule_options(mesh.shape[0], num_microbatches, schedule, virtual_stages)
     micro = microbatch(tuple(example_inputs), m)
     micro_kwargs = microbatch((example_kwargs,), m)[0] if example_kwargs else example_kwargs
-    captured = capture(model, micro, example_kwargs=micro_kwargs, loss_fn=loss_fn)
+    captured = capture(model, micro, example_kwargs=micro_kwargs, loss_fn=loss_fn,
+                       mixed_precision=precision.as_policy(mixed_precision))
     canonicalize(captured.gm)
     return plan_pipelined_captured(captured, model, micro, mesh=mesh, num_microbatches=m, schedule=schedule,
                                    virtual_stages=v, strategy=strategy, memory_budget=memory_budget,
-                                   optimizer=optimizer, time_limit=time_limit, baselines=baselines)
+                                   optimizer=optimizer, time_limit=time_limit, baselines=baselines,
+                                   recompute=recompute)
 
 
 def plan_pipelined_captured(captured, model, micro_inputs, *, mesh: Mesh, num_microbatches: int, schedule: str,
                             strategy="auto", memory_budget=None, optimizer: str = "adamw", time_limit=None,
-                            baselines: bool = False, timer=None, virtual_stages: int | None = None) -> Plan:
+                            baselines: bool = False, timer=None, virtual_stages: int | None = None,
+                            recompute=None) -> Plan:
     """A pipelined Plan for the captured MICRO-BATCH graph on `mesh` (axis 0 "pp"). The search
     (autopar.pipeline.search) calls this once it has chosen p, m and the schedule; `virtual_stages`
-    (interleaved only) defaults to stages.INTERLEAVE, as the search prices it."""
-    from autopar.pipeline.layer_profile import layer_costs
-    from autopar.pipeline.stages import partition
+    (interleaved only) defaults to stages.INTERLEAVE, as the search prices it. The precision policy is
+    the capture's (`captured.mixed_precision`); `recompute` as in `autopar.plan` (`_solve_stages`)."""
     assert mesh.axis_names[0] == PP, mesh
     _, _, v = schedule_options(mesh.shape[0], num_microbatches, schedule, virtual_stages)
     sub = sub_mesh(mesh)
@@ -153,16 +160,76 @@ def plan_pipelined_captured(captured, model, micro_inputs, *, mesh: Mesh, num_mi
         prob = ProblemBuilder(captured, sub, optimizer).build()
     with timer("baselines"):
         table, solutions = spmd.solve_baselines(prob, captured, sub, time_limit) if baselines else ({}, {})
-    with timer("solve"):              # per-op strategies (no memory row: the stage split enforces the budget)
-        sol, reason = spmd.solve_requested(prob, captured, sub, wanted, solutions, time_limit)
+    split_fn = _Splitter(mesh, num_microbatches, schedule, budget, v)
+    with timer("solve"):              # per-op strategies and recompute, then the exact split into p*v chunks
+        sol, reason, rc, layers, split = _solve_stages(prob, captured, sub, wanted, solutions, time_limit,
+                                                       recompute, split_fn)
     one_stage = spmd.assemble_plan(prob, captured, sub, strategy, wanted, None, sol, reason, table, timer, model,
-                             micro_inputs)
-    with timer("stages"):             # exact contiguous split of the units into p stages (p*v chunks)
-        layers = layer_costs(prob, sol.choice, captured)
-        p2p = lambda nbytes: mesh.p2p_time(nbytes, PP)  # noqa: E731
-        split = partition(layers, mesh.shape[0], num_microbatches, schedule, p2p_time=p2p, memory_budget=budget,
-                          v=v)
+                                   micro_inputs)
+    one_stage = assemble.with_recompute(one_stage, prob, sol.choice, rc)
     return widen(one_stage, mesh, layers, split, num_microbatches, schedule, budget, captured, v)
+
+
+class _Splitter:
+    """`stages.partition` of unit costs for one pipeline (p stages x v chunks, m micro-batches, a
+    schedule, the budget), and the in-flight micro-batches of each chunk that its memory counts."""
+
+    def __init__(self, mesh: Mesh, m: int, schedule: str, budget: float | None, v: int):
+        self.p, self.m, self.schedule, self.budget, self.v = mesh.shape[0], m, schedule, budget, v
+        self.p2p = lambda nbytes: mesh.p2p_time(nbytes, PP)  # noqa: E731
+        self.counts = [chunk_in_flight(schedule, self.p, m, k, v) for k in range(self.p * v)]
+
+    def __call__(self, layers):
+        return partition(layers, self.p, self.m, self.schedule, p2p_time=self.p2p, memory_budget=self.budget,
+                         v=self.v)
+
+
+ROW_RETRIES = 6   # memory rows an "auto" recompute tries before the pipeline is called infeasible
+
+
+def _solve_stages(prob, captured, sub: Mesh, wanted, solutions, time_limit, recompute, split_fn: _Splitter):
+    """(solution, infeasible reason, RecomputeDecision or None, unit costs, split).
+
+    recompute "none": the SPMD solve without a memory row (the stage split enforces the budget).
+    None/"auto": the same, and only if no split fits the budget, strategies and recompute are solved
+    together (`autopar.planning.recompute`) under a memory row on the micro-batch graph, tightened
+    until a split fits: row R = (p B + (c - 1) S) / c at first (S the state bytes, c the mean
+    in-flight micro-batches per stage, so that S + c A <= p B), then lowered by the fullest stage's
+    excess over its in-flight count. The layers it recomputes show up in the unit costs (less
+    activation memory, the re-run forward in backward), which the split then prices.
+    "all" / a list of layer paths: forced, no row."""
+    mode = recompute_mod.normalize(recompute, list(recompute_mod.layer_nodes(prob.gm)))
+    fixed = None if all(r == "auto" for r in wanted) else spmd.restricted_choices(prob, captured, sub, wanted)
+    if mode not in ("auto", "none"):
+        sol, rc = recompute_mod.solve_recompute(prob, mode, fixed=fixed, time_limit=time_limit)
+        layers = layer_costs(prob, sol.choice, captured, recompute=rc.paths)
+        return sol, "", rc, layers, split_fn(layers)
+    sol, reason = spmd.solve_requested(prob, captured, sub, wanted, solutions, time_limit)
+    layers = layer_costs(prob, sol.choice, captured)
+    try:
+        return sol, reason, None, layers, split_fn(layers)
+    except InfeasiblePlanError as e:
+        if mode == "none" or split_fn.budget is None or not recompute_mod.recomputable(prob.gm):
+            raise
+        error = e
+    budget, c = split_fn.budget, float(np.mean(split_fn.counts))
+    state = sum(x.state_bytes for x in layers)
+    row = (split_fn.p * budget + (c - 1) * state) / c
+    for _ in range(ROW_RETRIES):
+        prob.cg.memory_budget = row
+        try:
+            sol, rc = recompute_mod.solve_recompute(prob, "auto", fixed=fixed, time_limit=time_limit)
+        except InfeasiblePlanError:
+            break   # no plan keeps this little: the split's own error says what the pipeline needs
+        finally:
+            prob.cg.memory_budget = None
+        layers = layer_costs(prob, sol.choice, captured, recompute=rc.paths)
+        try:
+            return sol, "", rc if rc.paths else None, layers, split_fn(layers)
+        except InfeasiblePlanError as e:
+            error = e if e.min_memory_per_device < error.min_memory_per_device else error
+            row -= max(e.min_memory_per_device - budget, 0.01 * budget) / max(split_fn.counts)
+    raise error
 
 
 def widen(one_stage: Plan, mesh: Mesh, layers, split, m: int, schedule: str, budget, captured,

@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from autopar.capture import precision
 from autopar.capture.canonicalize import canonicalize
 from autopar.capture.trace import capture
 from autopar.errors import InputError
@@ -55,7 +56,7 @@ from autopar.plan import Plan
 from autopar.planning.spmd import fingerprint
 from autopar.runtime import checkpoint, safetensors_io, state
 from autopar.runtime.batch import BatchLayout, DataParallelInputs, input_reads
-from autopar.runtime.materialize import model_tensors
+from autopar.runtime.materialize import is_meta, model_tensors
 from autopar.runtime.tensors import distinct, get_tensor, is_unit_seed, set_tensor
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -69,8 +70,7 @@ def parallelize_pipelined(model: nn.Module, example_inputs: tuple, *, mesh: Mesh
                           strategy="auto", memory_budget=None, optimizer: str = "adamw", time_limit=None,
                           baselines: bool = False, init_fn=None) -> "PipelinedModule":
     """The pipelined branch of `autopar.autoparallelize` (called with the resolved mesh of the world)."""
-    if mixed_precision is not None or recompute not in (None, "none"):
-        raise InputError("mixed_precision and recompute are not supported with pipelined plans yet")
+    policy = precision.resolve_with_plan(mixed_precision, plan)  # None: fp32
     if plan is not None and num_stages is None:
         num_stages = plan.mesh.shape[0]
     mesh = plan.mesh if plan is not None else pp.pipeline_mesh(mesh, num_stages)
@@ -82,13 +82,14 @@ def parallelize_pipelined(model: nn.Module, example_inputs: tuple, *, mesh: Mesh
                                 virtual_stages or (pp.chunks_per_device(plan) if plan else None))
     micro = pp.microbatch(tuple(example_inputs), m)
     micro_kwargs = pp.microbatch((example_kwargs,), m)[0] if example_kwargs else example_kwargs
-    captured = capture(model, micro, example_kwargs=micro_kwargs, loss_fn=loss_fn)
+    captured = capture(model, micro, example_kwargs=micro_kwargs, loss_fn=loss_fn, mixed_precision=policy)
     canonicalize(captured.gm)
     if plan is None:
         plan = broadcast(lambda: pp.plan_pipelined_captured(captured, model, micro, mesh=mesh, num_microbatches=m,
                                                             schedule=schedule, virtual_stages=v, strategy=strategy,
                                                             memory_budget=memory_budget, optimizer=optimizer,
-                                                            time_limit=time_limit, baselines=baselines))
+                                                            time_limit=time_limit, baselines=baselines,
+                                                            recompute=recompute))
     plan.check_matches(fingerprint(captured, mesh), mesh)
     device_mesh = init_device_mesh(device_type, tuple(mesh.shape), mesh_dim_names=tuple(mesh.axis_names))
     sub_dm = device_mesh[tuple(mesh.axis_names[1:])]
@@ -225,7 +226,9 @@ class PipelinedModule(DataParallelInputs, nn.Module):
     def _distribute(self, model, captured, programs: list[StageProgram], stage_plan: Plan,
                     init_fn) -> tuple[dict, dict]:
         """This rank's parameters and buffers (those its programs read, and those it owns: `_owners`), each
-        distributed once over the sub-mesh; a meta-device model materialised module by module."""
+        distributed once over the sub-mesh; of a meta-device model only the modules owning them are built,
+        one at a time, each from a seed every rank shares (`_shared_seed`): a tensor two stages hold (a
+        tied embedding) gets the same values on both."""
         buffer_nodes = {n.meta[NAME]: n.name for n in captured.placeholders("buffer")}
         mine = {n for prog in programs for n in [*prog.params, *prog.buffers]}
         mine |= {n for n, owner in self._owner.items() if owner == self._pp_rank}
@@ -235,7 +238,8 @@ class PipelinedModule(DataParallelInputs, nn.Module):
         grad = {n: p.requires_grad for n, p in model.named_parameters()}
         persistent = {n for e in self._state for n in e.names}
         params, buffers = {}, {}
-        for name, full in model_tensors(model, sorted(specs, key=lambda n: (n not in grad, n)), init_fn, self._device):
+        wanted = sorted(specs, key=lambda n: (n not in grad, n))
+        for name, full in model_tensors(model, wanted, init_fn, self._device, seed=_shared_seed(model, self._device)):
             dt = distribute_tensor(full, self.sub_mesh, specs[name])
             table = params if name in grad else buffers
             table[name] = nn.Parameter(dt, requires_grad=grad[name]) if name in grad else dt
@@ -343,6 +347,16 @@ class PipelinedModule(DataParallelInputs, nn.Module):
             full = torch.empty(entry.shape, dtype=entry.dtype, device=self._device)
             dist.recv(full, src)
         return full if rank == 0 else None
+
+
+def _shared_seed(model, device) -> int | None:
+    """For a meta-device model: rank 0's seed (`torch.initial_seed()`), the base of every module's
+    init generator (`autopar.runtime.materialize.module_seed`); None for a real model (nothing drawn)."""
+    if not is_meta(model):
+        return None
+    seed = torch.tensor([torch.initial_seed() % 2 ** 62], dtype=torch.int64, device=device)
+    dist.broadcast(seed, src=0)
+    return int(seed.item())
 
 
 def _owners(programs: list[StageProgram], num_ranks: int, names: list[str]) -> dict[str, int]:
