@@ -46,6 +46,7 @@ from autopar.plan import NodeChoice, ParamPlacement, Plan, StagePlan
 from autopar.planning import assemble, spmd
 from autopar.planning import recompute as recompute_mod
 from autopar.planning.problem import ProblemBuilder
+from autopar.planning.solver import solve
 from autopar.sharding import recipes
 
 PP = "pp"
@@ -184,20 +185,19 @@ class _Splitter:
                          v=self.v)
 
 
-ROW_RETRIES = 6   # memory rows an "auto" recompute tries before the pipeline is called infeasible
+ROW_RETRIES = 8   # memory rows tried before the pipeline is called infeasible
 
 
 def _solve_stages(prob, captured, sub: Mesh, wanted, solutions, time_limit, recompute, split_fn: _Splitter):
     """(solution, infeasible reason, RecomputeDecision or None, unit costs, split).
 
-    recompute "none": the SPMD solve without a memory row (the stage split enforces the budget).
-    None/"auto": the same, and only if no split fits the budget, strategies and recompute are solved
-    together (`autopar.planning.recompute`) under a memory row on the micro-batch graph, tightened
-    until a split fits: row R = (p B + (c - 1) S) / c at first (S the state bytes, c the mean
-    in-flight micro-batches per stage, so that S + c A <= p B), then lowered by the fullest stage's
-    excess over its in-flight count. The layers it recomputes show up in the unit costs (less
-    activation memory, the re-run forward in backward), which the split then prices.
-    "all" / a list of layer paths: forced, no row."""
+    First the SPMD solve without a memory row (the stage split enforces the budget). Only if no split
+    fits, the solve is repeated under memory rows on the micro-batch graph (`_row_search`), where the
+    solver trades time for memory (sequence parallelism, ZeRO, other placements); and only if that
+    finds no split either, with recompute None/"auto", strategies and activation recompute are solved
+    together under such rows (`autopar.planning.recompute`; "none" never recomputes). The layers it
+    recomputes show up in the unit costs (less activation memory, the re-run forward in backward),
+    which the split then prices. recompute "all" / a list of layer paths: forced, no row."""
     mode = recompute_mod.normalize(recompute, list(recompute_mod.layer_nodes(prob.gm)))
     fixed = None if all(r == "auto" for r in wanted) else spmd.restricted_choices(prob, captured, sub, wanted)
     if mode not in ("auto", "none"):
@@ -209,27 +209,59 @@ def _solve_stages(prob, captured, sub: Mesh, wanted, solutions, time_limit, reco
     try:
         return sol, reason, None, layers, split_fn(layers)
     except InfeasiblePlanError as e:
-        if mode == "none" or split_fn.budget is None or not recompute_mod.recomputable(prob.gm):
+        if split_fn.budget is None:
             raise
         error = e
+    tries = [False] + ([True] if mode == "auto" and recompute_mod.recomputable(prob.gm) else [])
+    for recompute_too in tries:
+        found = _row_search(prob, captured, fixed, time_limit, split_fn, recompute_too, error,
+                            sum(x.state_bytes for x in layers))
+        if not isinstance(found, InfeasiblePlanError):
+            return found
+        error = found if found.min_memory_per_device < error.min_memory_per_device else error
+    raise error
+
+
+def _row_search(prob, captured, fixed, time_limit, split_fn: _Splitter, recompute_too: bool,
+                error: InfeasiblePlanError, state: float):
+    """The first split within the budget of SPMD solutions under tightening memory rows, as
+    `_solve_stages` returns it, or the split's InfeasiblePlanError with the least memory seen. Rows:
+    R = (p B + (c - 1) S) / c at first (S the state bytes, c the mean in-flight micro-batches per
+    stage, so that S + c A <= p B), then lowered by the fullest stage's excess over its in-flight
+    count, doubled at every miss, down to the least memory any plan keeps."""
     budget, c = split_fn.budget, float(np.mean(split_fn.counts))
-    state = sum(x.state_bytes for x in layers)
     row = (split_fn.p * budget + (c - 1) * state) / c
+    step, floor = max(error.min_memory_per_device - budget, 0.01 * budget) / max(split_fn.counts), None
     for _ in range(ROW_RETRIES):
-        prob.cg.memory_budget = row
         try:
-            sol, rc = recompute_mod.solve_recompute(prob, "auto", fixed=fixed, time_limit=time_limit)
-        except InfeasiblePlanError:
-            break   # no plan keeps this little: the split's own error says what the pipeline needs
-        finally:
-            prob.cg.memory_budget = None
-        layers = layer_costs(prob, sol.choice, captured, recompute=rc.paths)
+            sol, rc = _solve_row(prob, fixed, time_limit, row, recompute_too)
+        except InfeasiblePlanError as e:
+            if floor is not None:
+                break   # even the least memory a plan keeps does not split within the budget
+            floor = row = e.min_memory_per_device   # no plan keeps less: try exactly that once
+            continue
+        layers = layer_costs(prob, sol.choice, captured, recompute=rc.paths if rc else ())
         try:
-            return sol, "", rc if rc.paths else None, layers, split_fn(layers)
+            return sol, "", rc, layers, split_fn(layers)
         except InfeasiblePlanError as e:
             error = e if e.min_memory_per_device < error.min_memory_per_device else error
-            row -= max(e.min_memory_per_device - budget, 0.01 * budget) / max(split_fn.counts)
-    raise error
+        if floor is not None and row <= floor:
+            break
+        row, step = max(row - step, floor or 0.0), 2 * step   # the excess, doubled while it does not suffice
+    return error
+
+
+def _solve_row(prob, fixed, time_limit, row: float, recompute_too: bool):
+    """(solution, RecomputeDecision or None) of the micro-batch problem under the memory row `row`."""
+    prob.cg.memory_budget = row
+    try:
+        if recompute_too:
+            sol, rc = recompute_mod.solve_recompute(prob, "auto", fixed=fixed, time_limit=time_limit)
+            return sol, rc if rc.paths else None
+        return solve(prob.cg, dedup_layers=bool(prob.cg.layer_groups), fixed=fixed, time_limit=time_limit,
+                     cache=prob.solver_cache), None
+    finally:
+        prob.cg.memory_budget = None
 
 
 def widen(one_stage: Plan, mesh: Mesh, layers, split, m: int, schedule: str, budget, captured,
