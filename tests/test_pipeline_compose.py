@@ -160,6 +160,44 @@ def meta_job(rank, world, config, batches, kw):
             "losses": losses, "state": pmodel.full_state_dict(), "plan": pmodel.plan.to_json()}
 
 
+def resume_job(rank, world, model, batches, kw, folder):
+    """Trains `STEPS` steps, saving model and AdamW state through torch.distributed.checkpoint after the
+    first; then a module of other weights, made from the saved plan, loads it and trains the rest."""
+    import torch.distributed.checkpoint as dcp
+
+    from autopar import autoparallelize
+    from autopar._testing.dist_cases import scramble
+    from autopar.runtime import checkpoint
+
+    def state(pmodel, opt):
+        return {"model": pmodel.state_dict(), "optim": checkpoint.optimizer_state_dict(pmodel, opt)}
+
+    def step(pmodel, opt, k):
+        opt.zero_grad()
+        loss = pmodel.train_step(*batches[k][0]).item()
+        opt.step()
+        return loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pmodel = autoparallelize(copy.deepcopy(model), batches[0][0], baselines=False, **kw)
+    opt = torch.optim.AdamW(pmodel.parameters(), lr=LR_BF16, eps=EPS)
+    losses = [step(pmodel, opt, 0)]
+    dcp.save(state(pmodel, opt), checkpoint_id=folder)
+    losses += [step(pmodel, opt, k) for k in range(1, STEPS)]
+    other = copy.deepcopy(model)
+    scramble(other)
+    again = autoparallelize(other, batches[0][0], plan=pmodel.plan, mesh=kw["mesh"], baselines=False)
+    opt2 = torch.optim.AdamW(again.parameters(), lr=LR_BF16, eps=EPS)
+    saved = state(again, opt2)
+    dcp.load(saved, checkpoint_id=folder)
+    again.load_state_dict(saved["model"])
+    checkpoint.load_optimizer_state_dict(again, opt2, saved["optim"])
+    resumed = [step(again, opt2, k) for k in range(1, STEPS)]
+    return {"losses": losses, "resumed": resumed, "state": pmodel.full_state_dict(),
+            "resumed_state": again.full_state_dict(), "plan": pmodel.plan.to_json()}
+
+
 def _reference(model, batches, lr, autocast=False) -> list[float]:
     """One process, the unmodified model (optionally under autocast): the losses of `STEPS` AdamW steps."""
     model = copy.deepcopy(model)
@@ -260,9 +298,24 @@ def _check_meta(per_rank, config, batches):
     _equal_fp32(per_rank, model, batches)
 
 
-def test_pipelines_compose_at_world_4():
+def _check_resume(per_rank, model, batches):
+    """The resumed run equals the uninterrupted one (same programs on the same ranks: to fp32 rounding of
+    the optimizer state's round trip), and both equal one autocast process."""
+    plan = autopar.Plan.from_json(per_rank[0]["plan"])
+    assert plan.recompute == ("transformer.h.1",) and plan.recipes == ("pp", "zero3") and plan.mixed_precision
+    for rank, got in enumerate(per_rank):
+        torch.testing.assert_close(torch.tensor(got["resumed"]), torch.tensor(got["losses"][1:]), rtol=1e-6,
+                                   atol=1e-7, msg=lambda m: f"rank {rank}: {m}")
+    for key, want in per_rank[0]["state"].items():
+        torch.testing.assert_close(per_rank[0]["resumed_state"][key], want, rtol=1e-6, atol=1e-7, msg=key)
+    ref = _reference(model, batches, LR_BF16, autocast=True)
+    torch.testing.assert_close(torch.tensor(per_rank[0]["losses"]), torch.tensor(ref), rtol=0, atol=LOSS_ATOL)
+
+
+def test_pipelines_compose_at_world_4(tmp_path):
     """pp2 x dp2 in bf16; pp2 x tp2 in bf16 with sequence parallelism; pp2 x dp2 with recompute chosen by
-    the solver under a budget; pp2 x dp2 with ZeRO-3 inside the stages; pp2 x dp2 of a meta-built model."""
+    the solver under a budget; pp2 x dp2 with ZeRO-3 inside the stages; pp2 x dp2 of a meta-built model;
+    ZeRO-3 + bf16 + a forced recompute list, saved and resumed through torch.distributed.checkpoint."""
     gpt = models.tiny_gpt(n_layer=4, batch=8, seq=16)
     batches = models.zoo_batches(gpt, STEPS)
     sp_case, sp_batches = _sp_case()
@@ -275,7 +328,9 @@ def test_pipelines_compose_at_world_4():
             (train_job, sp_case.model, sp_batches, dict(mesh=PP_TP, plan=sp_plan), LR_BF16),
             (train_job, gpt.model, batches, dict(mesh=PP_DP, strategy="dp", memory_budget=budget)),
             (train_job, gpt.model, batches, dict(mesh=PP_DP, strategy={"dp": "zero3"})),
-            (meta_job, config, [((a[0], a[1]), {}) for a, _ in batches], dict(mesh=PP_DP, strategy="dp"))]
+            (meta_job, config, [((a[0], a[1]), {}) for a, _ in batches], dict(mesh=PP_DP, strategy="dp")),
+            (resume_job, gpt.model, batches, dict(mesh=PP_DP, strategy={"dp": "zero3"}, mixed_precision="bf16",
+                                                  recompute=["transformer.h.1"]), str(tmp_path / "ckpt"))]
     results = run_distributed(run_each, 4, jobs, timeout=1200)
     assert_each(results, [(0, "pp2 x dp2 bf16", _check_bf16_dp, gpt.model, batches),
                           (1, "pp2 x tp2 bf16 + sequence parallel", _check_bf16_sp, sp_case.model, sp_batches,
@@ -283,4 +338,5 @@ def test_pipelines_compose_at_world_4():
                           (2, "pp2 x dp2 recompute under a budget", _check_recompute, gpt.model, batches, free,
                            budget),
                           (3, "pp2 x dp2 zero3", _check_zero3, gpt.model, batches),
-                          (4, "pp2 x dp2 meta", _check_meta, config, [((a[0], a[1]), {}) for a, _ in batches])])
+                          (4, "pp2 x dp2 meta", _check_meta, config, [((a[0], a[1]), {}) for a, _ in batches]),
+                          (5, "pp2 x dp2 zero3 bf16 recompute, resumed", _check_resume, gpt.model, batches)])
