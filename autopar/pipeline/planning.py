@@ -19,6 +19,11 @@ gradient collectives on each stage that holds it. A known gap: a ZeRO-1/2 parame
 the cost model counts once per step, is recomputed by every program that reads the parameter (a
 forward and usually the backward program of each micro-batch; passes/split_stages.py, floating nodes).
 
+Composes with: mixed precision (the micro-batch graph captured under the policy, as SPMD plans
+capture the batch; `Plan.mixed_precision`), activation recompute and memory rows (`_solve_stages`:
+the SPMD solve re-run under memory rows, recompute only when no split fits without it; the chosen
+layers' costs in the unit profile), any recipe on the sub-mesh (ZeRO, tensor + sequence parallel).
+
 Defaults: schedule "1f1b"; num_microbatches = num_stages (the least that keeps every stage busy in
 the steady state; more micro-batches shrink the bubble (p-1)/(m+p-1) but each is smaller).
 
@@ -144,12 +149,16 @@ def plan_pipelined(model, example_inputs, *, mesh, num_stages=None, num_microbat
 def plan_pipelined_captured(captured, model, micro_inputs, *, mesh: Mesh, num_microbatches: int, schedule: str,
                             strategy="auto", memory_budget=None, optimizer: str = "adamw", time_limit=None,
                             baselines: bool = False, timer=None, virtual_stages: int | None = None,
-                            recompute=None) -> Plan:
+                            mixed_precision=None, recompute=None) -> Plan:
     """A pipelined Plan for the captured MICRO-BATCH graph on `mesh` (axis 0 "pp"). The search
     (autopar.pipeline.search) calls this once it has chosen p, m and the schedule; `virtual_stages`
     (interleaved only) defaults to stages.INTERLEAVE, as the search prices it. The precision policy is
-    the capture's (`captured.mixed_precision`); `recompute` as in `autopar.plan` (`_solve_stages`)."""
+    the capture's (`captured.mixed_precision`): `mixed_precision`, if given, must be the one it was
+    captured with; `recompute` as in `autopar.plan` (`_solve_stages`)."""
     assert mesh.axis_names[0] == PP, mesh
+    if mixed_precision is not None and precision.as_policy(mixed_precision) != captured.mixed_precision:
+        raise InputError(f"mixed_precision={mixed_precision!r}, but the micro-batch graph was captured with "
+                         f"{captured.mixed_precision or 'fp32 (no mixed precision)'}: capture it with the same policy")
     _, _, v = schedule_options(mesh.shape[0], num_microbatches, schedule, virtual_stages)
     sub = sub_mesh(mesh)
     budget = parse_bytes(memory_budget) if memory_budget is not None else None

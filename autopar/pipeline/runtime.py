@@ -22,8 +22,10 @@ cost the memory ZeRO saves.
 `train_step(*inputs)` returns the mean loss over the micro-batches (the full-batch loss for a mean
 loss) on every rank and leaves gradients, averaged over micro-batches, in p.grad for
 optimizer.step(). Calling the module (`pmodel(*inputs)`) is a forward-only evaluation: the loss, no
-gradients. A meta-device model is materialised module by module (`autopar.runtime.materialize`), each
-rank keeping only its stages' shards. `state_dict()` holds this rank's tensors under the model's keys
+gradients. Of a meta-device model each rank builds only the modules that own its stages' tensors, one
+at a time (`autopar.runtime.materialize`), each from a seed shared by every rank, and keeps its shards.
+A bf16 plan's graph is captured under its policy (`autopar.capture.precision`); a recompute plan's
+layers are re-run inside the stages' backward programs (`passes/recompute.py`, before the split). `state_dict()` holds this rank's tensors under the model's keys
 (`autopar.runtime.state`); `load_state_dict` takes the model's full state dict (each rank keeps its
 stages' part); `load_safetensors` / `save_safetensors` read and write pretrained weights. Only the
 first pipeline rank's stage reads the inputs (labels travel to the loss with the activations):
