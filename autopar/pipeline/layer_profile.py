@@ -85,18 +85,19 @@ def _assign(prob: CostProblem, stack: str, position: dict[int, int], post: int) 
     return unit
 
 
-def layer_costs(prob: CostProblem, choice: np.ndarray, captured=None, recompute: tuple[str, ...] = ()
-                ) -> list[LayerCost]:
+def layer_costs(prob: CostProblem, choice: np.ndarray, captured=None, recompute: tuple[str, ...] = (),
+                expanded=None) -> list[LayerCost]:
     """One LayerCost per unit of the solved problem (see the module docstring), in execution order.
     `captured` is accepted for the callers' symmetry; the CostProblem already holds the graph.
     `recompute`: the layers whose forward re-runs in backward (`autopar.planning.recompute`): each keeps
     its recompute activation bytes, and its backward adds the re-run ops and their repeated input
-    reshards (the expanded cost graph's terms under the same strategies)."""
+    reshards (the expanded cost graph's terms under the same strategies; `expanded`: `recompute.expand(prob)`
+    if the caller has it)."""
     names, unit = unit_names(prob)
     n = len(names)
     fwd, bwd, step = np.zeros(n), np.zeros(n), np.zeros(n)
     state, act = np.zeros(n), np.zeros(n)
-    extra_time, extra_act, extra_edge = _recompute_terms(prob, choice, recompute)
+    extra_time, extra_act, extra_edge = _recompute_terms(prob, choice, recompute, expanded)
     for i, node in enumerate(prob.nodes):
         k, u = choice[i], unit[i]
         t = float(prob.compute[i][k] + prob.local_comm[i][k])
@@ -126,14 +127,14 @@ def layer_costs(prob: CostProblem, choice: np.ndarray, captured=None, recompute:
                       per_step=float(step[u])) for u in range(n) if u in used]
 
 
-def _recompute_terms(prob: CostProblem, choice: np.ndarray, paths: tuple[str, ...]):
+def _recompute_terms(prob: CostProblem, choice: np.ndarray, paths: tuple[str, ...], ex=None):
     """Per node: seconds its re-run adds and the change of its kept bytes; per edge: seconds its
     repeated reshard adds, when `paths` recompute. Read off `recompute.expand`'s cost graph at the
     strategies `choice` with those layers' recompute variables set (zeros when `paths` is empty)."""
     more_time, more_act, more_edge = np.zeros(len(prob.nodes)), np.zeros(len(prob.nodes)), np.zeros(len(prob.edges))
     if not paths:
         return more_time, more_act, more_edge
-    ex = expand(prob)
+    ex = expand(prob) if ex is None else ex
     unknown = [p for p in paths if p not in ex.hubs]
     assert not unknown, f"layers {unknown} cannot recompute"
     echoice = np.array([int(k) for k in choice], dtype=np.int64)

@@ -251,13 +251,41 @@ def _row_search(prob, captured, fixed, time_limit, split_fn: _Splitter, recomput
             continue
         layers = layer_costs(prob, sol.choice, captured, recompute=rc.paths if rc else ())
         try:
-            return sol, "", rc, layers, split_fn(layers)
+            split = split_fn(layers)
         except InfeasiblePlanError as e:
             error = e if e.min_memory_per_device < error.min_memory_per_device else error
+        else:
+            return _fewer_recomputed(prob, captured, sol, rc, layers, split, split_fn, time_limit)
         if floor is not None and row <= floor:
             break
         row, step = max(row - step, floor or 0.0), 2 * step   # the excess, doubled while it does not suffice
     return error
+
+
+def _fewer_recomputed(prob, captured, sol, rc, layers, split, split_fn: _Splitter, time_limit):
+    """The found plan with the recompute the split does not need dropped: the row counts activations
+    as if every stage kept the same in-flight share, and recomputes the lowest layers first, so a stage
+    with room may recompute layers it need not (GPipe keeps as many micro-batches on every stage). Drops
+    one layer at a time, the highest first, while the split still fits and is no slower."""
+    if rc is None:
+        return sol, "", rc, layers, split
+    ex, on = recompute_mod.expand(prob), list(rc.paths)
+    for path in reversed(rc.paths):
+        fewer = tuple(p for p in on if p != path)
+        costs = layer_costs(prob, sol.choice, captured, recompute=fewer, expanded=ex)
+        try:
+            found = split_fn(costs)
+        except InfeasiblePlanError:
+            continue
+        if found.step_time <= split.step_time:
+            on, layers, split = list(fewer), costs, found
+    if tuple(on) == rc.paths:
+        return sol, "", rc, layers, split
+    if not on:
+        return sol, "", None, layers, split
+    every = {i: [int(k)] for i, k in enumerate(sol.choice)}   # the same strategies, these layers
+    sol, rc = recompute_mod.solve_recompute(prob, tuple(on), fixed=every, time_limit=time_limit)
+    return sol, "", rc, layers, split
 
 
 def _solve_row(prob, fixed, time_limit, row: float, recompute_too: bool):
