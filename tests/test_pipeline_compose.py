@@ -82,6 +82,21 @@ def test_recompute_in_pipelined_plans():
         _plan(case, memory_budget=budget, recompute="none", **kw)
 
 
+def test_pipelined_recompute_is_only_what_the_split_needs():
+    """GPipe keeps m micro-batches on both stages: under a budget between no recompute and all, each stage
+    recomputes, and no chosen layer could be left out (without it the plan no longer fits)."""
+    case = models.tiny_gpt(n_layer=4, batch=8, seq=16)
+    kw = dict(mesh=autopar.Mesh((2,)), num_stages=2, schedule="gpipe", num_microbatches=4)
+    free, every = _plan(case, **kw), _plan(case, recompute="all", **kw)
+    budget = (free.memory_per_device + every.memory_per_device) / 2
+    auto = _plan(case, memory_budget=budget, **kw)
+    assert auto.feasible and auto.memory_per_device <= budget
+    assert all(set(auto.recompute) & set(st.modules) for st in auto.stages), auto.recompute
+    for path in auto.recompute:
+        fewer = [p for p in auto.recompute if p != path]
+        assert _plan(case, recompute=fewer or "none", **kw).memory_per_device > budget, path
+
+
 def _sp_case():
     """Batch 2 of 32 tokens, width 64: under a budget 5% below the plan without one, the 2-way tensor-
     parallel stages fit by running every layer norm on sequence shards (no recompute needed)."""
