@@ -147,7 +147,8 @@ def train_job(rank, world, model, batches, kw, lr=1e-3):
             "recomputed": sorted({n.meta["autopar_recompute_layer"] for prog in progs for n in prog.backward.graph.nodes
                                   if n.meta.get("autopar_pass") == "recompute"}),
             "emitted": [(c["kind"], c["phase"], c["reason"]) for gm in graphs for c in emitted_collectives(gm)],
-            "deferred": sorted({(d["param"], d["kind"], d["phase"]) for prog in progs for d in prog.deferred})}
+            "deferred": sorted({(d["param"], d["kind"], d["phase"], d["dtype"]) for prog in progs
+                                for d in prog.deferred})}
 
 
 def meta_job(rank, world, config, batches, kw):
@@ -264,13 +265,19 @@ def _collectives_as_planned(per_rank):
 
 
 def _check_bf16_dp(per_rank, model, batches):
+    """reduce_dtype bf16: the once-per-step gradient all-reduces move bf16 (as the plan prices them)."""
     _equal_autocast(per_rank, model, batches, batch_split=True)
     _collectives_as_planned(per_rank)
+    assert autopar.Plan.from_json(per_rank[0]["plan"]).mixed_precision["reduce_dtype"] == "bfloat16"
+    wires = {d[3] for got in per_rank for d in got["deferred"]}
+    assert wires == {"bfloat16"}, wires
 
 
 def _check_bf16_sp(per_rank, model, batches, planned):
     _equal_autocast(per_rank, model, batches, batch_split=False)
-    assert per_rank[0]["plan"] == planned.to_json()
+    assert per_rank[0]["plan"] == planned.to_json() and set(_norm_specs(planned)) == {("R", "S1")}
+    emitted = {(c[0], c[1]) for got in per_rank for c in got["emitted"]}
+    assert {("reduce_scatter", "forward"), ("all_gather", "forward")} <= emitted   # onto / off sequence shards
     _collectives_as_planned(per_rank)
 
 
@@ -328,7 +335,7 @@ def _check_resume(per_rank, model, batches):
 
 
 def test_pipelines_compose_at_world_4(tmp_path):
-    """pp2 x dp2 in bf16; pp2 x tp2 in bf16 with sequence parallelism; pp2 x dp2 with recompute chosen by
+    """pp2 x dp2 in bf16 (bf16 gradient reduction); pp2 x tp2 in bf16 with sequence parallelism; pp2 x dp2 with recompute chosen by
     the solver under a budget; pp2 x dp2 with ZeRO-3 inside the stages; pp2 x dp2 of a meta-built model;
     ZeRO-3 + bf16 + a forced recompute list, saved and resumed through torch.distributed.checkpoint."""
     gpt = models.tiny_gpt(n_layer=4, batch=8, seq=16)
@@ -339,7 +346,8 @@ def test_pipelines_compose_at_world_4(tmp_path):
     every = _plan(gpt, mesh=PP_DP, strategy="dp", recompute="all")
     budget = (free.memory_per_device + every.memory_per_device) / 2
     config = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
-    jobs = [(train_job, gpt.model, batches, dict(mesh=PP_DP, strategy="dp", mixed_precision="bf16"), LR_BF16),
+    reduce16 = autopar.MixedPrecision(reduce_dtype=torch.bfloat16)
+    jobs = [(train_job, gpt.model, batches, dict(mesh=PP_DP, strategy="dp", mixed_precision=reduce16), LR_BF16),
             (train_job, sp_case.model, sp_batches, dict(mesh=PP_TP, plan=sp_plan), LR_BF16),
             (train_job, gpt.model, batches, dict(mesh=PP_DP, strategy="dp", memory_budget=budget)),
             (train_job, gpt.model, batches, dict(mesh=PP_DP, strategy={"dp": "zero3"})),

@@ -304,12 +304,14 @@ class PipelinedModule(DataParallelInputs, nn.Module):
     def _reduce_deferred(self) -> None:
         """The gradient all-reduces the stage programs left out (passes/defer_grad_reductions.py), once per
         step on the micro-batches' summed partial gradients: per mesh axis, one bucketed all-reduce per
-        process group (25 MB flat buckets, passes/ops.py), axis after axis (a gradient reduced on two)."""
+        process group (25 MB flat buckets, passes/ops.py), axis after axis (a gradient reduced on two), in the
+        plan's reduce dtype where it is narrower (cast down for the collective, back into p.grad after)."""
         for axis, groups in self._deferred:
             pending = []
-            for group, names in groups:
+            for (group, dtype), names in groups:
                 grads = [self.get_parameter(n).grad.to_local() for n in names]
-                pending.append((grads, start_all_reduce(grads, "sum", group)))
+                wire = grads if dtype is None else [g.to(getattr(torch, dtype)) for g in grads]
+                pending.append((grads, start_all_reduce(wire, "sum", group)))
             for grads, flight in pending:
                 for g, summed in zip(grads, wait_buckets(flight)):
                     g.copy_(summed)
@@ -395,14 +397,17 @@ def _flat(coords, sub_dm) -> int:
     return index
 
 
-def _deferred_by_axis(programs: list[StageProgram]) -> list[tuple[int, list[tuple[str, list[str]]]]]:
-    """[(axis, [(group name, parameter names)])], axes and names sorted: the deferred gradient all-reduces
-    of this rank's chunks (a parameter two chunks share, once), in an order every rank of a group shares."""
-    by_axis: dict[int, dict[str, set[str]]] = {}
+def _deferred_by_axis(programs: list[StageProgram]) -> list[tuple[int, list[tuple[tuple, list[str]]]]]:
+    """[(axis, [((group name, wire dtype or None), parameter names)])], axes and names sorted: the deferred
+    gradient all-reduces of this rank's chunks (a parameter two chunks share, once), in an order every
+    rank of a group shares."""
+    by_axis: dict[int, dict[tuple, set[str]]] = {}
     for prog in programs:
         for d in prog.deferred:
-            by_axis.setdefault(d["axis_index"], {}).setdefault(d["group"], set()).add(d["param"])
-    return [(axis, [(g, sorted(names)) for g, names in sorted(by_axis[axis].items())]) for axis in sorted(by_axis)]
+            key = (d["group"], d.get("dtype"))
+            by_axis.setdefault(d["axis_index"], {}).setdefault(key, set()).add(d["param"])
+    return [(axis, [(key, sorted(names)) for key, names in sorted(by_axis[axis].items(), key=lambda kv: str(kv[0]))])
+            for axis in sorted(by_axis)]
 
 
 def _shared_groups(programs, pp_rank: int, num_ranks: int, per_stage: int, coords, sub_dm) -> list:
