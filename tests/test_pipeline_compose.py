@@ -347,6 +347,16 @@ def _check_recompute(per_rank, model, batches, free, budget):
     _collectives_as_planned(per_rank)
 
 
+def _check_interleaved(per_rank, model, batches):
+    """Interleaved 1F1B (4 chunks, rank d holding chunks d and d+2) in bf16 with a forced recompute list."""
+    _equal_autocast(per_rank, model, batches, batch_split=True)
+    plan = autopar.Plan.from_json(per_rank[0]["plan"])
+    assert plan.schedule == "interleaved_1f1b" and len(plan.stages) == 4
+    ran = sorted({p for got in per_rank for p in got["recomputed"]})
+    assert ran == sorted(plan.recompute) == ["transformer.h.0", "transformer.h.2"], ran
+    _collectives_as_planned(per_rank)
+
+
 def _check_zero3(per_rank, model, batches):
     _equal_fp32(per_rank, model, batches)
     plan = autopar.Plan.from_json(per_rank[0]["plan"])
@@ -393,7 +403,8 @@ def _check_resume(per_rank, model, batches):
 def test_pipelines_compose_at_world_4(tmp_path):
     """pp2 x dp2 in bf16 (bf16 gradient reduction); pp2 x tp2 in bf16 with sequence parallelism; pp2 x dp2 with recompute chosen by
     the solver under a budget; pp2 x dp2 with ZeRO-3 inside the stages; pp2 x dp2 of a meta-built model;
-    ZeRO-3 + bf16 + a forced recompute list, saved and resumed through torch.distributed.checkpoint."""
+    ZeRO-3 + bf16 + a forced recompute list, saved and resumed through torch.distributed.checkpoint;
+    interleaved 1F1B in bf16 with a forced recompute list."""
     gpt = models.tiny_gpt(n_layer=4, batch=8, seq=16)
     batches = models.zoo_batches(gpt, STEPS)
     sp_case, sp_batches = _sp_case()
@@ -409,7 +420,10 @@ def test_pipelines_compose_at_world_4(tmp_path):
             (train_job, gpt.model, batches, dict(mesh=PP_DP, strategy={"dp": "zero3"})),
             (meta_job, config, [((a[0], a[1]), {}) for a, _ in batches], dict(mesh=PP_DP, strategy="dp")),
             (resume_job, gpt.model, batches, dict(mesh=PP_DP, strategy={"dp": "zero3"}, mixed_precision="bf16",
-                                                  recompute=["transformer.h.1"]), str(tmp_path / "ckpt"))]
+                                                  recompute=["transformer.h.1"]), str(tmp_path / "ckpt")),
+            (train_job, gpt.model, batches, dict(mesh=PP_DP, strategy="dp", schedule="interleaved_1f1b",
+                                                 num_microbatches=4, mixed_precision="bf16",
+                                                 recompute=["transformer.h.0", "transformer.h.2"]), LR_BF16)]
     results = run_distributed(run_each, 4, jobs, timeout=1200)
     assert_each(results, [(0, "pp2 x dp2 bf16", _check_bf16_dp, gpt.model, batches),
                           (1, "pp2 x tp2 bf16 + sequence parallel", _check_bf16_sp, sp_case.model, sp_batches,
@@ -418,4 +432,5 @@ def test_pipelines_compose_at_world_4(tmp_path):
                            budget),
                           (3, "pp2 x dp2 zero3", _check_zero3, gpt.model, batches),
                           (4, "pp2 x dp2 meta", _check_meta, config, [((a[0], a[1]), {}) for a, _ in batches]),
-                          (5, "pp2 x dp2 zero3 bf16 recompute, resumed", _check_resume, gpt.model, batches)])
+                          (5, "pp2 x dp2 zero3 bf16 recompute, resumed", _check_resume, gpt.model, batches),
+                          (6, "pp2 x dp2 interleaved bf16 recompute", _check_interleaved, gpt.model, batches)])
