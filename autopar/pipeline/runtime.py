@@ -26,8 +26,8 @@ gradients. Of a meta-device model each rank builds only the modules that own its
 at a time (`autopar.runtime.materialize`), each from a seed shared by every rank, and keeps its shards.
 A bf16 plan's graph is captured under its policy (`autopar.capture.precision`); a recompute plan's
 layers are re-run inside the stages' backward programs (`passes/recompute.py`, before the split).
-`state_dict()` holds this rank's tensors under the model's keys (`autopar.runtime.state`); `load_state_dict` takes the model's full state dict (each rank keeps its
-stages' part); `load_safetensors` / `save_safetensors` read and write pretrained weights. Only the
+`state_dict()` holds this rank's tensors under the model's keys (`autopar.runtime.state`);
+`load_state_dict` takes the model's full state dict (each rank keeps its stages' part); `load_safetensors` / `save_safetensors` read and write pretrained weights. Only the
 first pipeline rank's stage reads the inputs (labels travel to the loss with the activations):
 `needs_inputs` says whether this rank's do; elsewhere the inputs may be None, left out or anything,
 and are ignored. A rank passes the global batch or its data-parallel slice
