@@ -13,6 +13,9 @@ Where a node goes (`assign_units`):
             node of a forward op (same seq_nr) -> that op's unit; otherwise (autograd's gradient
             accumulation, pass-made reductions) the earliest unit among its backward inputs
             (gradients flow towards earlier stages), else the latest among its forward inputs.
+            A recomputed layer's forward copies (`passes/recompute.py`: phase "backward", the
+            layer's module path) go to that layer, so its stage's backward re-runs them and its
+            forward keeps only what they read (the layer's checkpoints).
   floating  nodes computed from parameters and buffers only (views, ZeRO gathers, factories such as
             arange) belong to no stage: every program that needs one recomputes it.
 

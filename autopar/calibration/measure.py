@@ -21,8 +21,8 @@ cache (`measure_pointwise`), the per-launch overhead and the memory bandwidth, b
 
 All compute is timed as sustained streams (`_sustained_time`): on a shared machine a burst after
 a pause runs faster than a step that keeps the core busy. The per-parameter work of a step
-(zero_grad, `to_local()`, the gradient's DTensor wrapping, AdamW's step) is timed on K tiny
-DTensor parameters (what `ParallelModule` hands torch.optim) for several K; the slope of t(K) is
+(zero_grad, the gradient's DTensor wrapping into p.grad, AdamW's step, as train_step and the loop
+do them) is timed on K tiny DTensor parameters (what `ParallelModule` hands torch.optim) for several K; the slope of t(K) is
 `param_step_overhead`, the seconds each parameter tensor adds beyond its bytes; the same with
 `pmodel.optimizer`'s fused step on the local shards (`autopar/runtime/optim.py`) gives
 `fused_step_overhead`.
@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from autopar import _torch_compat as compat
 from autopar.calibration.fit import Sample, fit_line, fit_links
 from autopar.costmodel import compute as compute_model
 from autopar.costmodel.hardware import COLLECTIVE_KINDS, HardwareSpec, get_hardware
@@ -350,12 +351,14 @@ def measure_pointwise(device: torch.device, iters: int, dtype: torch.dtype, max_
 
 def measure_param_step(device: torch.device, iters: int, counts: Sequence[int] = (4, 16, 64),
                        fused: bool = False) -> float:
-    """Seconds per parameter tensor of what a training step does once per DTensor parameter, on
-    tiny replicated parameters of a 1-D mesh of the world: `zero_grad`, `to_local()` in forward,
-    the gradient wrapped back into a DTensor in backward, and `torch.optim.AdamW().step()` (default
-    options; `fused`: `pmodel.optimizer(torch.optim.AdamW)`'s step on the local shards instead). The
-    slope of `fit_line` over `counts` tensors; their bytes are negligible, so the slope is the
-    per-tensor dispatch cost."""
+    """Seconds per parameter tensor of what a training step does once per DTensor parameter, as
+    `ParallelModule.train_step` and the user's loop do it: `zero_grad(set_to_none=True)`, the graph's
+    local gradient wrapped into a DTensor and stored in `p.grad` (no autograd: train_step skips it
+    unless a hook watches the step), and `torch.optim.AdamW().step()` with default options (`fused`:
+    `pmodel.optimizer(torch.optim.AdamW)`'s step on the local shards instead), on tiny replicated
+    parameters of a 1-D mesh of the world. The slope of `fit_line` over `counts` tensors; their bytes
+    are negligible, so the slope is the per-tensor dispatch cost. (Timing autograd's `to_local` /
+    backward path as well over-priced the example GPT's 52 parameters by ~35%.)"""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
@@ -364,11 +367,15 @@ def measure_param_step(device: torch.device, iters: int, counts: Sequence[int] =
     for count in counts:
         params = [torch.nn.Parameter(distribute_tensor(torch.ones(16, device=device), device_mesh, [Replicate()]))
                   for _ in range(count)]
+        specs = [compat.dtensor_spec(p) for p in params]
+        local_grad = torch.ones(16, device=device)
         opt = local_shard_optimizer(torch.optim.AdamW, params, lr=1e-3) if fused else torch.optim.AdamW(params, lr=1e-3)
 
-        def step(params=params, opt=opt):
+        def step(params=params, specs=specs, opt=opt):
             opt.zero_grad(set_to_none=True)
-            torch.stack([p.to_local().sum() for p in params]).sum().backward()
+            with torch.no_grad():
+                for p, spec in zip(params, specs):
+                    p.grad = compat.dtensor_grad(local_grad.clone(), spec)
             opt.step()
         times.append(_sustained_time(step, device, iters))
     return fit_line(counts, times)[1]
@@ -450,9 +457,8 @@ def calibrate(mesh_shape: Sequence[int] | None = None, *, sizes: Sequence[int] =
     samples = measure_collectives(mesh, sorted(sizes), iters, device, say)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     figures = measure_compute(device, iters, dtype, say, quick_compute)
-    say("per-parameter step work: zero_grad, to_local, backward, AdamW (and pmodel.optimizer's) over 4, 16, 64 "
-        "DTensor parameters; "
-        "a collective reached from compute")
+    say("per-parameter step work: zero_grad, gradient into p.grad, AdamW (and pmodel.optimizer's) over 4, 16, 64 "
+        "DTensor parameters; a collective reached from compute")
     figures = _slowest({**figures, "param_step": measure_param_step(device, iters),
                         "fused_step": measure_param_step(device, iters, fused=True),
                         "sync": measure_sync_latency(device, iters)}, device)

@@ -26,6 +26,7 @@ from autopar.graph import PHASE, layer_of, node_path, producer_of
 from autopar.pipeline.stages import LayerCost
 from autopar.placement import local_fraction
 from autopar.planning.problem import CostProblem
+from autopar.planning.recompute import expand
 
 PRE, POST = "<pre>", "<post>"
 STATE = ("params", "gathered_params", "grads", "optimizer")
@@ -84,13 +85,19 @@ def _assign(prob: CostProblem, stack: str, position: dict[int, int], post: int) 
     return unit
 
 
-def layer_costs(prob: CostProblem, choice: np.ndarray, captured=None) -> list[LayerCost]:
+def layer_costs(prob: CostProblem, choice: np.ndarray, captured=None, recompute: tuple[str, ...] = (),
+                expanded=None) -> list[LayerCost]:
     """One LayerCost per unit of the solved problem (see the module docstring), in execution order.
-    `captured` is accepted for the callers' symmetry; the CostProblem already holds the graph."""
+    `captured` is accepted for the callers' symmetry; the CostProblem already holds the graph.
+    `recompute`: the layers whose forward re-runs in backward (`autopar.planning.recompute`): each keeps
+    its recompute activation bytes, and its backward adds the re-run ops and their repeated input
+    reshards (the expanded cost graph's terms under the same strategies; `expanded`: `recompute.expand(prob)`
+    if the caller has it)."""
     names, unit = unit_names(prob)
     n = len(names)
     fwd, bwd, step = np.zeros(n), np.zeros(n), np.zeros(n)
     state, act = np.zeros(n), np.zeros(n)
+    extra_time, extra_act, extra_edge = _recompute_terms(prob, choice, recompute, expanded)
     for i, node in enumerate(prob.nodes):
         k, u = choice[i], unit[i]
         t = float(prob.compute[i][k] + prob.local_comm[i][k])
@@ -100,10 +107,12 @@ def layer_costs(prob: CostProblem, choice: np.ndarray, captured=None) -> list[La
             fwd[u] += t
         else:
             bwd[u] += t
+        bwd[u] += extra_time[i]   # a re-run forward op runs in backward
         state[u] += sum(float(prob.memory[i][c][k]) for c in STATE)
-        act[u] += float(prob.memory[i]["activations"][k])
-    for e, ce in zip(prob.edges, prob.cg.edges):
+        act[u] += float(prob.memory[i]["activations"][k]) + extra_act[i]
+    for j, (e, ce) in enumerate(zip(prob.edges, prob.cg.edges)):
         t, u = float(ce.time[choice[e.src], choice[e.dst]]), unit[e.dst]
+        bwd[u] += extra_edge[j]
         if e.kind == "grad":
             once = _all_reduce_seconds(prob, e, choice)
             step[unit[e.src]] += once
@@ -116,6 +125,30 @@ def layer_costs(prob: CostProblem, choice: np.ndarray, captured=None) -> list[La
     used = set(unit)
     return [LayerCost(names[u], float(fwd[u]), float(bwd[u]), float(state[u]), float(act[u]), float(boundary[u]),
                       per_step=float(step[u])) for u in range(n) if u in used]
+
+
+def _recompute_terms(prob: CostProblem, choice: np.ndarray, paths: tuple[str, ...], ex=None):
+    """Per node: seconds its re-run adds and the change of its kept bytes; per edge: seconds its
+    repeated reshard adds, when `paths` recompute. Read off `recompute.expand`'s cost graph at the
+    strategies `choice` with those layers' recompute variables set (zeros when `paths` is empty)."""
+    more_time, more_act, more_edge = np.zeros(len(prob.nodes)), np.zeros(len(prob.nodes)), np.zeros(len(prob.edges))
+    if not paths:
+        return more_time, more_act, more_edge
+    ex = expand(prob) if ex is None else ex
+    unknown = [p for p in paths if p not in ex.hubs]
+    assert not unknown, f"layers {unknown} cannot recompute"
+    echoice = np.array([int(k) for k in choice], dtype=np.int64)
+    for path in paths:
+        for i in ex.doubled[path]:
+            echoice[i] = choice[i] + ex.sizes[i]
+    for i in range(len(prob.nodes)):
+        before, after = prob.cg.nodes[i], ex.cg.nodes[i]
+        more_time[i] = float(after.time[echoice[i]] - before.time[choice[i]])
+        more_act[i] = float(after.memory[echoice[i]] - before.memory[choice[i]])
+    for j, (e, before) in enumerate(zip(prob.edges, prob.cg.edges)):
+        after = ex.cg.edges[j].time[echoice[e.src], echoice[e.dst]]
+        more_edge[j] = float(after - before.time[choice[e.src], choice[e.dst]])
+    return more_time, more_act, more_edge
 
 
 def _all_reduce_seconds(prob: CostProblem, e, choice: np.ndarray) -> float:

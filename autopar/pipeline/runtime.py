@@ -22,10 +22,12 @@ cost the memory ZeRO saves.
 `train_step(*inputs)` returns the mean loss over the micro-batches (the full-batch loss for a mean
 loss) on every rank and leaves gradients, averaged over micro-batches, in p.grad for
 optimizer.step(). Calling the module (`pmodel(*inputs)`) is a forward-only evaluation: the loss, no
-gradients. A meta-device model is materialised module by module (`autopar.runtime.materialize`), each
-rank keeping only its stages' shards. `state_dict()` holds this rank's tensors under the model's keys
-(`autopar.runtime.state`); `load_state_dict` takes the model's full state dict (each rank keeps its
-stages' part); `load_safetensors` / `save_safetensors` read and write pretrained weights. Only the
+gradients. Of a meta-device model each rank builds only the modules that own its stages' tensors, one
+at a time (`autopar.runtime.materialize`), each from a seed shared by every rank, and keeps its shards.
+A bf16 plan's graph is captured under its policy (`autopar.capture.precision`); a recompute plan's
+layers are re-run inside the stages' backward programs (`passes/recompute.py`, before the split).
+`state_dict()` holds this rank's tensors under the model's keys (`autopar.runtime.state`);
+`load_state_dict` takes the model's full state dict (each rank keeps its stages' part); `load_safetensors` / `save_safetensors` read and write pretrained weights. Only the
 first pipeline rank's stage reads the inputs (labels travel to the loss with the activations):
 `needs_inputs` says whether this rank's do; elsewhere the inputs may be None, left out or anything,
 and are ignored. A rank passes the global batch or its data-parallel slice
@@ -40,6 +42,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from autopar.capture import precision
 from autopar.capture.canonicalize import canonicalize
 from autopar.capture.trace import capture
 from autopar.errors import InputError
@@ -55,7 +58,7 @@ from autopar.plan import Plan
 from autopar.planning.spmd import fingerprint
 from autopar.runtime import checkpoint, optim, safetensors_io, state
 from autopar.runtime.batch import BatchLayout, DataParallelInputs, input_reads
-from autopar.runtime.materialize import model_tensors
+from autopar.runtime.materialize import is_meta, model_tensors
 from autopar.runtime.tensors import distinct, get_tensor, is_unit_seed, set_tensor
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -69,8 +72,7 @@ def parallelize_pipelined(model: nn.Module, example_inputs: tuple, *, mesh: Mesh
                           strategy="auto", memory_budget=None, optimizer: str = "adamw", time_limit=None,
                           baselines: bool = False, init_fn=None) -> "PipelinedModule":
     """The pipelined branch of `autopar.autoparallelize` (called with the resolved mesh of the world)."""
-    if mixed_precision is not None or recompute not in (None, "none"):
-        raise InputError("mixed_precision and recompute are not supported with pipelined plans yet")
+    policy = precision.resolve_with_plan(mixed_precision, plan)  # None: fp32
     if plan is not None and num_stages is None:
         num_stages = plan.mesh.shape[0]
     mesh = plan.mesh if plan is not None else pp.pipeline_mesh(mesh, num_stages)
@@ -82,13 +84,14 @@ def parallelize_pipelined(model: nn.Module, example_inputs: tuple, *, mesh: Mesh
                                 virtual_stages or (pp.chunks_per_device(plan) if plan else None))
     micro = pp.microbatch(tuple(example_inputs), m)
     micro_kwargs = pp.microbatch((example_kwargs,), m)[0] if example_kwargs else example_kwargs
-    captured = capture(model, micro, example_kwargs=micro_kwargs, loss_fn=loss_fn)
+    captured = capture(model, micro, example_kwargs=micro_kwargs, loss_fn=loss_fn, mixed_precision=policy)
     canonicalize(captured.gm)
     if plan is None:
         plan = broadcast(lambda: pp.plan_pipelined_captured(captured, model, micro, mesh=mesh, num_microbatches=m,
                                                             schedule=schedule, virtual_stages=v, strategy=strategy,
                                                             memory_budget=memory_budget, optimizer=optimizer,
-                                                            time_limit=time_limit, baselines=baselines))
+                                                            time_limit=time_limit, baselines=baselines,
+                                                            recompute=recompute))
     plan.check_matches(fingerprint(captured, mesh), mesh)
     device_mesh = init_device_mesh(device_type, tuple(mesh.shape), mesh_dim_names=tuple(mesh.axis_names))
     sub_dm = device_mesh[tuple(mesh.axis_names[1:])]
@@ -225,7 +228,9 @@ class PipelinedModule(DataParallelInputs, nn.Module):
     def _distribute(self, model, captured, programs: list[StageProgram], stage_plan: Plan,
                     init_fn) -> tuple[dict, dict]:
         """This rank's parameters and buffers (those its programs read, and those it owns: `_owners`), each
-        distributed once over the sub-mesh; a meta-device model materialised module by module."""
+        distributed once over the sub-mesh; of a meta-device model only the modules owning them are built,
+        one at a time, each from a seed every rank shares (`_shared_seed`): a tensor two stages hold (a
+        tied embedding) gets the same values on both."""
         buffer_nodes = {n.meta[NAME]: n.name for n in captured.placeholders("buffer")}
         mine = {n for prog in programs for n in [*prog.params, *prog.buffers]}
         mine |= {n for n, owner in self._owner.items() if owner == self._pp_rank}
@@ -235,7 +240,8 @@ class PipelinedModule(DataParallelInputs, nn.Module):
         grad = {n: p.requires_grad for n, p in model.named_parameters()}
         persistent = {n for e in self._state for n in e.names}
         params, buffers = {}, {}
-        for name, full in model_tensors(model, sorted(specs, key=lambda n: (n not in grad, n)), init_fn, self._device):
+        wanted = sorted(specs, key=lambda n: (n not in grad, n))
+        for name, full in model_tensors(model, wanted, init_fn, self._device, seed=_shared_seed(model, self._device)):
             dt = distribute_tensor(full, self.sub_mesh, specs[name])
             table = params if name in grad else buffers
             table[name] = nn.Parameter(dt, requires_grad=grad[name]) if name in grad else dt
@@ -298,12 +304,14 @@ class PipelinedModule(DataParallelInputs, nn.Module):
     def _reduce_deferred(self) -> None:
         """The gradient all-reduces the stage programs left out (passes/defer_grad_reductions.py), once per
         step on the micro-batches' summed partial gradients: per mesh axis, one bucketed all-reduce per
-        process group (25 MB flat buckets, passes/ops.py), axis after axis (a gradient reduced on two)."""
+        process group (25 MB flat buckets, passes/ops.py), axis after axis (a gradient reduced on two), in the
+        plan's reduce dtype where it is narrower (cast down for the collective, back into p.grad after)."""
         for axis, groups in self._deferred:
             pending = []
-            for group, names in groups:
+            for (group, dtype), names in groups:
                 grads = [self.get_parameter(n).grad.to_local() for n in names]
-                pending.append((grads, start_all_reduce(grads, "sum", group)))
+                wire = grads if dtype is None else [g.to(getattr(torch, dtype)) for g in grads]
+                pending.append((grads, start_all_reduce(wire, "sum", group)))
             for grads, flight in pending:
                 for g, summed in zip(grads, wait_buckets(flight)):
                     g.copy_(summed)
@@ -352,6 +360,16 @@ class PipelinedModule(DataParallelInputs, nn.Module):
         return full if rank == 0 else None
 
 
+def _shared_seed(model, device) -> int | None:
+    """For a meta-device model: rank 0's seed (`torch.initial_seed()`), the base of every module's
+    init generator (`autopar.runtime.materialize.module_seed`); None for a real model (nothing drawn)."""
+    if not is_meta(model):
+        return None
+    seed = torch.tensor([torch.initial_seed() % 2 ** 62], dtype=torch.int64, device=device)
+    dist.broadcast(seed, src=0)
+    return int(seed.item())
+
+
 def _owners(programs: list[StageProgram], num_ranks: int, names: list[str]) -> dict[str, int]:
     """The pipeline rank that owns each parameter or buffer in a state dict: the lowest whose chunks read
     it (a tied one lives on each that reads it), rank 0 for one no program reads (an unused pooler)."""
@@ -386,14 +404,17 @@ def _flat(coords, sub_dm) -> int:
     return index
 
 
-def _deferred_by_axis(programs: list[StageProgram]) -> list[tuple[int, list[tuple[str, list[str]]]]]:
-    """[(axis, [(group name, parameter names)])], axes and names sorted: the deferred gradient all-reduces
-    of this rank's chunks (a parameter two chunks share, once), in an order every rank of a group shares."""
-    by_axis: dict[int, dict[str, set[str]]] = {}
+def _deferred_by_axis(programs: list[StageProgram]) -> list[tuple[int, list[tuple[tuple, list[str]]]]]:
+    """[(axis, [((group name, wire dtype or None), parameter names)])], axes and names sorted: the deferred
+    gradient all-reduces of this rank's chunks (a parameter two chunks share, once), in an order every
+    rank of a group shares."""
+    by_axis: dict[int, dict[tuple, set[str]]] = {}
     for prog in programs:
         for d in prog.deferred:
-            by_axis.setdefault(d["axis_index"], {}).setdefault(d["group"], set()).add(d["param"])
-    return [(axis, [(g, sorted(names)) for g, names in sorted(by_axis[axis].items())]) for axis in sorted(by_axis)]
+            key = (d["group"], d.get("dtype"))
+            by_axis.setdefault(d["axis_index"], {}).setdefault(key, set()).add(d["param"])
+    return [(axis, [(key, sorted(names)) for key, names in sorted(by_axis[axis].items(), key=lambda kv: str(kv[0]))])
+            for axis in sorted(by_axis)]
 
 
 def _shared_groups(programs, pp_rank: int, num_ranks: int, per_stage: int, coords, sub_dm) -> list:
