@@ -31,6 +31,7 @@ LOSS_ATOL = 0.015   # half a bf16 ulp of a loss in [2, 8)
 FIRST_ATOL = 2e-6   # step 0 of a batch-split bf16 plan: fp32 summation order only
 PP_DP = autopar.Mesh((2, 2), axis_names=("pp", "dp"))
 PP_TP = autopar.Mesh((2, 2), axis_names=("pp", "tp"))
+PP_EP = autopar.Mesh((2, 2), axis_names=("pp", "ep"))
 
 
 def _plan(case, **kw):
@@ -190,9 +191,10 @@ def train_job(rank, world, model, batches, kw, lr=1e-3):
     from autopar import autoparallelize
     from autopar.passes import emitted_collectives
     args, kwargs = batches[0]
+    example = tuple(args) + ((kwargs,) if kwargs else ())   # a trailing dict: keyword inputs (labels)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pmodel = autoparallelize(copy.deepcopy(model), tuple(args), verify=True, baselines=False, **kw)
+        pmodel = autoparallelize(copy.deepcopy(model), example, verify=True, baselines=False, **kw)
     losses, _ = train_steps(pmodel, batches, STEPS, lr=lr)
     progs = [st.program for st in pmodel._stages]
     graphs = [gm for prog in progs for gm in (prog.forward, prog.backward, prog.gather) if gm is not None]
@@ -422,6 +424,28 @@ def _check_zero12(per_rank, model, batches, mode):
                     and c not in got["gather_emitted"]], "a micro-batch program gathers a ZeRO-1/2 parameter"
 
 
+def _ep_plan(case):
+    """pp2 x ep2: the tiny Mixtral's experts split by expert over the second axis (`force_experts("ep")`)."""
+    from autopar.sharding.rules import moe
+    with moe.force_experts("ep"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autopar.plan(case.model, case.example_inputs, mesh=PP_EP, baselines=False)
+
+
+def _check_experts(per_rank, model, batches, planned):
+    """Expert parallelism inside the stages: each stage's experts split by expert over "ep", tokens
+    dispatched by all_to_all in every micro-batch's forward and backward, as the plan prices."""
+    _equal_fp32(per_rank, model, batches)
+    plan = autopar.Plan.from_json(per_rank[0]["plan"])
+    assert per_rank[0]["plan"] == planned.to_json() and len(plan.stages) == 2
+    experts = {n: p.master for n, p in plan.params.items() if ".experts." in n}
+    assert experts and set(experts.values()) == {("R", "S0")}, experts
+    assert {(c[0], c[1]) for got in per_rank for c in got["emitted"] if c[2].startswith("expert dispatch")} == {
+        ("all_to_all", "forward"), ("all_to_all", "backward")}
+    _collectives_as_planned(per_rank)
+    _collectives_per_step(per_rank)
+
+
 def _check_meta(per_rank, config, batches):
     """Each rank built exactly the parameters of its own stage's modules (a tied weight under both of its
     names, on both stages), the ranks of one stage the same ones, and training from the weights they
@@ -492,11 +516,17 @@ def test_pipelines_compose_at_world_4(tmp_path):
 
 
 def test_zero_and_experts_in_stages_at_world_4():
-    """pp2 x dp2 with ZeRO-1 and ZeRO-2 inside the stages: equal to one process, and the collectives each
-    rank ran per step are the plan's as priced (a ZeRO-1/2 gather once per step, not per micro-batch)."""
+    """pp2 x dp2 with ZeRO-1 and ZeRO-2 inside the stages, and a tiny Mixtral pp2 x ep2 (experts split by
+    expert inside each stage): equal to one process over 3 AdamW steps, and the collectives each rank ran
+    per step are the plan's as priced (a ZeRO-1/2 gather once per step, not per micro-batch)."""
     gpt = models.tiny_gpt(n_layer=4, batch=8, seq=16)
     batches = models.zoo_batches(gpt, STEPS)
+    moe = models.ZOO_CASES["mixtral"]()
+    moe_batches = models.zoo_batches(moe, STEPS)
+    ep_plan = _ep_plan(moe)
     jobs = [(train_job, gpt.model, batches, dict(mesh=PP_DP, strategy={"dp": mode})) for mode in ("zero1", "zero2")]
+    jobs.append((train_job, moe.model, moe_batches, dict(mesh=PP_EP, plan=ep_plan)))
     results = run_distributed(run_each, 4, jobs, timeout=900)
     assert_each(results, [(0, "pp2 x dp2 zero1", _check_zero12, gpt.model, batches, "zero1"),
-                          (1, "pp2 x dp2 zero2", _check_zero12, gpt.model, batches, "zero2")])
+                          (1, "pp2 x dp2 zero2", _check_zero12, gpt.model, batches, "zero2"),
+                          (2, "pp2 x ep2 mixtral", _check_experts, moe.model, moe_batches, ep_plan)])
