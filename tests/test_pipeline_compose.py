@@ -154,6 +154,43 @@ def test_stage_programs_keep_what_the_unit_costs_predict():
     assert all(a < b for a, b in zip(measured["all"], measured["none"])), measured
 
 
+def test_a_tied_embedding_is_priced_on_every_stage_holding_it():
+    """A tied embedding is read by the first and the last unit; the runtime holds, steps, ZeRO-gathers and
+    reduces a copy on each stage holding one of them. Its unit costs list it at both (`LayerCost.shared`),
+    and the last stage of a split adds that copy's state and per-step seconds once; untied, nothing is shared."""
+    import dataclasses
+
+    from autopar.capture.canonicalize import canonicalize
+    from autopar.capture.trace import capture
+    from autopar.pipeline import planning as pp
+    from autopar.pipeline.layer_profile import layer_costs
+    from autopar.pipeline.stages import partition
+    from autopar.planning import spmd as planner
+    from autopar.planning.problem import ProblemBuilder
+    from autopar.sharding import recipes
+    sub = autopar.Mesh((2,), axis_names=("dp",))
+    for tie in (True, False):
+        case = models.tiny_gpt(n_layer=4, batch=8, seq=16, tie_weights=tie)
+        cap = capture(case.model, pp.microbatch(case.args, 2))
+        canonicalize(cap.gm)
+        prob = ProblemBuilder(cap, sub).build()
+        sol, _ = planner.solve_requested(prob, cap, sub, recipes.normalize("zero2", sub), {}, 10)
+        layers = layer_costs(prob, sol.choice, cap)
+        shared = [x for x in layers if x.shared]
+        if not tie:
+            assert not shared
+            continue
+        assert [x.name for x in shared] == ["<pre>", "<post>"] and shared[0].shared == shared[1].shared
+        (_, state, seconds), = shared[0].shared
+        assert state > 0 and seconds > 0   # master shard + gathered copy + gradient + AdamW; gather + update
+        plain = [dataclasses.replace(x, shared=()) for x in layers]
+        got, without = (partition(ls, 2, 2, "1f1b", p2p_time=lambda b: 0.0) for ls in (layers, plain))
+        assert got.bounds == without.bounds
+        assert got.stage_memory[0] == without.stage_memory[0]
+        assert got.stage_memory[1] == pytest.approx(without.stage_memory[1] + state, rel=1e-12)
+        assert got.step_time > without.step_time
+
+
 def _sp_case():
     """Batch 2 of 32 tokens, width 64: under a budget 5% below the plan without one, the 2-way tensor-
     parallel stages fit by running every layer norm on sequence shards (no recompute needed)."""
