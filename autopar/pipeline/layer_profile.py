@@ -7,10 +7,15 @@ final norm, head, loss). For the chosen strategy of every node this module sums,
     forward / backward   the node's compute + node-local collectives, plus the resharding on its
                          input edges, by the phase of the consuming node (per micro-batch)
     per_step             what runs once per step whatever the micro-batch count: the optimizer
-                         update, ZeRO-1/2 parameter gathers, gradient all-reduces (the pipelined
-                         runtime defers them to the step's end, passes/defer_grad_reductions.py);
+                         update, ZeRO-1/2 parameter gathers (each stage's gather program, run once
+                         before the schedule: passes/split_stages.py), gradient all-reduces (the
+                         pipelined runtime defers them to the step's end, passes/defer_grad_reductions.py);
                          a gradient's other collectives (ZeRO reduce-scatters) run in every
-                         micro-batch's backward and count under backward
+                         micro-batch's backward and count under backward, and so do ZeRO-3 gathers
+                         (edges into forward and backward ops: each micro-batch's programs re-gather)
+    shared               a parameter several units read (a tied embedding), listed at each reader
+                         with its state and per-step seconds: a stage holding a later reader but
+                         not the first keeps its own copy (autopar/pipeline/stages.py adds it)
     state_bytes          params + gathered params + grads + optimizer state of its parameters
     activation_bytes     the outputs its forward ops keep for backward (problem.saved_values)
     boundary_bytes       forward values made at or before this unit and read by a later unit,
