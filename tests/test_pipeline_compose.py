@@ -31,6 +31,7 @@ LOSS_ATOL = 0.015   # half a bf16 ulp of a loss in [2, 8)
 FIRST_ATOL = 2e-6   # step 0 of a batch-split bf16 plan: fp32 summation order only
 PP_DP = autopar.Mesh((2, 2), axis_names=("pp", "dp"))
 PP_TP = autopar.Mesh((2, 2), axis_names=("pp", "tp"))
+PP_EP = autopar.Mesh((2, 2), axis_names=("pp", "ep"))
 
 
 def _plan(case, **kw):
@@ -153,6 +154,43 @@ def test_stage_programs_keep_what_the_unit_costs_predict():
     assert all(a < b for a, b in zip(measured["all"], measured["none"])), measured
 
 
+def test_a_tied_embedding_is_priced_on_every_stage_holding_it():
+    """A tied embedding is read by the first and the last unit; the runtime holds, steps, ZeRO-gathers and
+    reduces a copy on each stage holding one of them. Its unit costs list it at both (`LayerCost.shared`),
+    and the last stage of a split adds that copy's state and per-step seconds once; untied, nothing is shared."""
+    import dataclasses
+
+    from autopar.capture.canonicalize import canonicalize
+    from autopar.capture.trace import capture
+    from autopar.pipeline import planning as pp
+    from autopar.pipeline.layer_profile import layer_costs
+    from autopar.pipeline.stages import partition
+    from autopar.planning import spmd as planner
+    from autopar.planning.problem import ProblemBuilder
+    from autopar.sharding import recipes
+    sub = autopar.Mesh((2,), axis_names=("dp",))
+    for tie in (True, False):
+        case = models.tiny_gpt(n_layer=4, batch=8, seq=16, tie_weights=tie)
+        cap = capture(case.model, pp.microbatch(case.args, 2))
+        canonicalize(cap.gm)
+        prob = ProblemBuilder(cap, sub).build()
+        sol, _ = planner.solve_requested(prob, cap, sub, recipes.normalize("zero2", sub), {}, 10)
+        layers = layer_costs(prob, sol.choice, cap)
+        shared = [x for x in layers if x.shared]
+        if not tie:
+            assert not shared
+            continue
+        assert [x.name for x in shared] == ["<pre>", "<post>"] and shared[0].shared == shared[1].shared
+        (_, state, seconds), = shared[0].shared
+        assert state > 0 and seconds > 0   # master shard + gathered copy + gradient + AdamW; gather + update
+        plain = [dataclasses.replace(x, shared=()) for x in layers]
+        got, without = (partition(ls, 2, 2, "1f1b", p2p_time=lambda b: 0.0) for ls in (layers, plain))
+        assert got.bounds == without.bounds
+        assert got.stage_memory[0] == without.stage_memory[0]
+        assert got.stage_memory[1] == pytest.approx(without.stage_memory[1] + state, rel=1e-12)
+        assert got.step_time > without.step_time
+
+
 def _sp_case():
     """Batch 2 of 32 tokens, width 64: under a budget 5% below the plan without one, the 2-way tensor-
     parallel stages fit by running every layer norm on sequence shards (no recompute needed)."""
@@ -190,19 +228,29 @@ def train_job(rank, world, model, batches, kw, lr=1e-3):
     from autopar import autoparallelize
     from autopar.passes import emitted_collectives
     args, kwargs = batches[0]
+    example = tuple(args) + ((kwargs,) if kwargs else ())   # a trailing dict: keyword inputs (labels)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pmodel = autoparallelize(copy.deepcopy(model), tuple(args), verify=True, baselines=False, **kw)
+        pmodel = autoparallelize(copy.deepcopy(model), example, verify=True, baselines=False, **kw)
     losses, _ = train_steps(pmodel, batches, STEPS, lr=lr)
     progs = [st.program for st in pmodel._stages]
-    graphs = [gm for prog in progs for gm in (prog.forward, prog.backward)]
+    graphs = [gm for prog in progs for gm in (prog.forward, prog.backward, prog.gather) if gm is not None]
+    ran = Counter()   # the logical collectives this rank's programs ran in the last step (runs x emitted)
+    for st in pmodel._stages:
+        for which, times in st.runs.items():
+            for c in emitted_collectives(getattr(st.program, which)):
+                ran[(c["kind"], c["phase"], c["reason"], c["source"])] += times
     return {"losses": losses, "state": pmodel.full_state_dict(), "plan": pmodel.plan.to_json(),
             "mm_dtypes": sorted({str(n.meta["val"].dtype) for gm in graphs for n in gm.graph.nodes
                                  if n.op == "call_function" and n.target is torch.ops.aten.mm.default}),
             "dtypes": sorted({str(t.dtype) for p in pmodel.parameters() for t in (p, p.grad) if t is not None}),
             "recomputed": sorted({n.meta["autopar_recompute_layer"] for prog in progs for n in prog.backward.graph.nodes
                                   if n.meta.get("autopar_pass") == "recompute"}),
-            "emitted": [(c["kind"], c["phase"], c["reason"]) for gm in graphs for c in emitted_collectives(gm)],
+            "emitted": [(c["kind"], c["phase"], c["reason"], c["source"]) for gm in graphs
+                        for c in emitted_collectives(gm)],
+            "ran": ran, "runs": [dict(st.runs) for st in pmodel._stages],
+            "gather_emitted": [(c["kind"], c["phase"], c["reason"], c["source"]) for prog in progs
+                               if prog.gather is not None for c in emitted_collectives(prog.gather)],
             "deferred": sorted({(d["param"], d["kind"], d["phase"], d["dtype"]) for prog in progs
                                 for d in prog.deferred})}
 
@@ -313,11 +361,39 @@ def _collectives_as_planned(per_rank):
     programs' (a tied gradient's reductions on each stage holding it count once) plus the deferred ones."""
     plan = autopar.Plan.from_json(per_rank[0]["plan"])
     ranks = [per_rank[0], per_rank[2]]
-    emitted = [c for got in ranks for c in got["emitted"] if not c[2].startswith("gradient")]
-    emitted += sorted({c for got in ranks for c in got["emitted"] if c[2].startswith("gradient")})
+    emitted = [c for got in ranks for c in got["emitted"] if not _per_parameter(c)]
+    emitted += sorted({c for got in ranks for c in got["emitted"] if _per_parameter(c)})
     deferred = {d for got in ranks for d in got["deferred"]}   # a tied parameter's: once
     got = Counter((c[0], c[1]) for c in emitted) + Counter((d[1], d[2]) for d in deferred)
     assert got == Counter((c.kind, c.phase) for c in plan.collectives), (got, plan.collectives)
+
+
+def _per_parameter(c) -> bool:
+    """A gradient's or a ZeRO-1/2 gather's collective: a tied parameter's runs on each stage holding it."""
+    return c[2].startswith("gradient") or c[2] == "parameter gather (ZeRO-1/2)"
+
+
+def _collectives_per_step(per_rank):
+    """The collectives ranks 0 and 2 ran in their last step (program runs x each program's collectives,
+    deferred all-reduces once) are the plan's, each as often per step as the cost model prices it:
+    ZeRO-1/2 gathers and deferred gradient all-reduces once, the rest once per micro-batch (a tied
+    parameter's collectives, which run on each stage holding it, count once: the most any rank ran)."""
+    plan = autopar.Plan.from_json(per_rank[0]["plan"])
+    m = plan.num_microbatches
+    ran: Counter = Counter()
+    for key in {k for got in (per_rank[0], per_rank[2]) for k in got["ran"]}:
+        counts = [got["ran"].get(key, 0) for got in (per_rank[0], per_rank[2])]
+        ran[key[:2]] += max(counts) if _per_parameter(key) else sum(counts)
+    ran += Counter((d[1], d[2]) for d in {d for got in (per_rank[0], per_rank[2]) for d in got["deferred"]})
+    once = lambda c: c.reason == "parameter gather (ZeRO-1/2)" or (  # noqa: E731
+        c.kind == "all_reduce" and c.reason == "gradient")
+    want = Counter()
+    for c in plan.collectives:
+        want[(c.kind, c.phase)] += 1 if once(c) else m
+    assert ran == want, (ran, want)
+    for got in per_rank:   # every program ran as the schedule says: gathers once, each micro-batch once
+        assert all(r.get("forward") == m and r.get("backward") == m for r in got["runs"]), got["runs"]
+    return want
 
 
 def _check_bf16_dp(per_rank, model, batches):
@@ -365,6 +441,46 @@ def _check_zero3(per_rank, model, batches):
     assert len(sharded) >= len(plan.params) // 2, sharded   # master weights sharded over dp inside each stage
     assert ("all_gather", "forward") in {(c[0], c[1]) for c in per_rank[0]["emitted"]}
     _collectives_as_planned(per_rank)
+    want = _collectives_per_step(per_rank)   # ZeRO-3 gathers: in every micro-batch's forward and backward
+    assert want[("all_gather", "backward")] > 0 and not any(r.get("gather") for got in per_rank for r in got["runs"])
+
+
+def _check_zero12(per_rank, model, batches, mode):
+    """ZeRO-1/2 inside the stages: the gathered copies are made once per step by each stage's gather program
+    (the forward and backward programs read them), as the plan prices them."""
+    _equal_fp32(per_rank, model, batches)
+    plan = autopar.Plan.from_json(per_rank[0]["plan"])
+    assert plan.recipes == ("pp", mode)
+    _collectives_as_planned(per_rank)
+    want = _collectives_per_step(per_rank)
+    gathers = sum(1 for c in plan.collectives if c.reason == "parameter gather (ZeRO-1/2)")
+    assert gathers >= len(plan.params) // 2 and want[("all_gather", "forward")] == gathers, (gathers, want)
+    for got in per_rank:
+        assert all(r.get("gather") == 1 for r in got["runs"]), got["runs"]
+        assert not [c for c in got["emitted"] if c[2] == "parameter gather (ZeRO-1/2)"
+                    and c not in got["gather_emitted"]], "a micro-batch program gathers a ZeRO-1/2 parameter"
+
+
+def _ep_plan(case):
+    """pp2 x ep2: the tiny Mixtral's experts split by expert over the second axis (`force_experts("ep")`)."""
+    from autopar.sharding.rules import moe
+    with moe.force_experts("ep"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autopar.plan(case.model, case.example_inputs, mesh=PP_EP, baselines=False)
+
+
+def _check_experts(per_rank, model, batches, planned):
+    """Expert parallelism inside the stages: each stage's experts split by expert over "ep", tokens
+    dispatched by all_to_all in every micro-batch's forward and backward, as the plan prices."""
+    _equal_fp32(per_rank, model, batches)
+    plan = autopar.Plan.from_json(per_rank[0]["plan"])
+    assert per_rank[0]["plan"] == planned.to_json() and len(plan.stages) == 2
+    experts = {n: p.master for n, p in plan.params.items() if ".experts." in n}
+    assert experts and set(experts.values()) == {("R", "S0")}, experts
+    assert {(c[0], c[1]) for got in per_rank for c in got["emitted"] if c[2].startswith("expert dispatch")} == {
+        ("all_to_all", "forward"), ("all_to_all", "backward")}
+    _collectives_as_planned(per_rank)
+    _collectives_per_step(per_rank)
 
 
 def _check_meta(per_rank, config, batches):
@@ -434,3 +550,20 @@ def test_pipelines_compose_at_world_4(tmp_path):
                           (4, "pp2 x dp2 meta", _check_meta, config, [((a[0], a[1]), {}) for a, _ in batches]),
                           (5, "pp2 x dp2 zero3 bf16 recompute, resumed", _check_resume, gpt.model, batches),
                           (6, "pp2 x dp2 interleaved bf16 recompute", _check_interleaved, gpt.model, batches)])
+
+
+def test_zero_and_experts_in_stages_at_world_4():
+    """pp2 x dp2 with ZeRO-1 and ZeRO-2 inside the stages, and a tiny Mixtral pp2 x ep2 (experts split by
+    expert inside each stage): equal to one process over 3 AdamW steps, and the collectives each rank ran
+    per step are the plan's as priced (a ZeRO-1/2 gather once per step, not per micro-batch)."""
+    gpt = models.tiny_gpt(n_layer=4, batch=8, seq=16)
+    batches = models.zoo_batches(gpt, STEPS)
+    moe = models.ZOO_CASES["mixtral"]()
+    moe_batches = models.zoo_batches(moe, STEPS)
+    ep_plan = _ep_plan(moe)
+    jobs = [(train_job, gpt.model, batches, dict(mesh=PP_DP, strategy={"dp": mode})) for mode in ("zero1", "zero2")]
+    jobs.append((train_job, moe.model, moe_batches, dict(mesh=PP_EP, plan=ep_plan)))
+    results = run_distributed(run_each, 4, jobs, timeout=900)
+    assert_each(results, [(0, "pp2 x dp2 zero1", _check_zero12, gpt.model, batches, "zero1"),
+                          (1, "pp2 x dp2 zero2", _check_zero12, gpt.model, batches, "zero2"),
+                          (2, "pp2 x ep2 mixtral", _check_experts, moe.model, moe_batches, ep_plan)])

@@ -7,10 +7,15 @@ final norm, head, loss). For the chosen strategy of every node this module sums,
     forward / backward   the node's compute + node-local collectives, plus the resharding on its
                          input edges, by the phase of the consuming node (per micro-batch)
     per_step             what runs once per step whatever the micro-batch count: the optimizer
-                         update, ZeRO-1/2 parameter gathers, gradient all-reduces (the pipelined
-                         runtime defers them to the step's end, passes/defer_grad_reductions.py);
+                         update, ZeRO-1/2 parameter gathers (each stage's gather program, run once
+                         before the schedule: passes/split_stages.py), gradient all-reduces (the
+                         pipelined runtime defers them to the step's end, passes/defer_grad_reductions.py);
                          a gradient's other collectives (ZeRO reduce-scatters) run in every
-                         micro-batch's backward and count under backward
+                         micro-batch's backward and count under backward, and so do ZeRO-3 gathers
+                         (edges into forward and backward ops: each micro-batch's programs re-gather)
+    shared               a parameter several units read (a tied embedding), listed at each reader
+                         with its state and per-step seconds: a stage holding a later reader but
+                         not the first keeps its own copy (autopar/pipeline/stages.py adds it)
     state_bytes          params + gathered params + grads + optimizer state of its parameters
     activation_bytes     the outputs its forward ops keep for backward (problem.saved_values)
     boundary_bytes       forward values made at or before this unit and read by a later unit,
@@ -22,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch.fx as fx
 
-from autopar.graph import PHASE, layer_of, node_path, producer_of
+from autopar.graph import PHASE, ROLE, layer_of, node_path, producer_of
 from autopar.pipeline.stages import LayerCost
 from autopar.placement import local_fraction
 from autopar.planning.problem import CostProblem
@@ -122,9 +127,35 @@ def layer_costs(prob: CostProblem, choice: np.ndarray, captured=None, recompute:
         else:
             bwd[u] += t
     boundary = _boundaries(prob, choice, unit, n)
+    shared = _shared(prob, choice, unit)
     used = set(unit)
     return [LayerCost(names[u], float(fwd[u]), float(bwd[u]), float(state[u]), float(act[u]), float(boundary[u]),
-                      per_step=float(step[u])) for u in range(n) if u in used]
+                      per_step=float(step[u]), shared=tuple(shared.get(u, ()))) for u in range(n) if u in used]
+
+
+def _shared(prob: CostProblem, choice: np.ndarray, unit: list[int]) -> dict[int, list[tuple]]:
+    """unit -> (name, state bytes, per-step seconds) of each parameter or buffer that several units read
+    (a tied embedding), listed at every reader (`LayerCost.shared`; counted above in the first reader's
+    unit): what a stage reading it without that unit adds, its own copy's state and per-step costs (ZeRO-1/2
+    gather, optimizer update, the gradient all-reduce)."""
+    once = {e.src: 0.0 for e in prob.edges if e.kind == "grad"}
+    for e in prob.edges:
+        if e.kind == "grad":
+            once[e.src] += _all_reduce_seconds(prob, e, choice)
+    out: dict[int, list[tuple]] = {}
+    for i, node in enumerate(prob.nodes):
+        if node.op != "placeholder" or node.meta.get(ROLE) not in ("param", "buffer"):
+            continue
+        readers = {unit[prob.index[producer_of(u)[0]]] for u in node.users if producer_of(u)[0] in prob.index}
+        readers.discard(-1)
+        if len(readers) < 2:
+            continue
+        k = choice[i]
+        state = sum(float(prob.memory[i][c][k]) for c in STATE)
+        seconds = float(prob.compute[i][k] + prob.local_comm[i][k]) + once.get(i, 0.0)
+        for u in sorted(readers):
+            out.setdefault(u, []).append((node.name, state, seconds))
+    return out
 
 
 def _recompute_terms(prob: CostProblem, choice: np.ndarray, paths: tuple[str, ...], ex=None):

@@ -5,7 +5,10 @@ sub-mesh (every axis but "pp"), and cuts it into stage programs (`passes/split_s
 its own stage: its parameters (DTensors on the sub-mesh, nowhere else) and a `_StageModule` whose
 forward is an autograd.Function running the stage's forward program (saving what its backward reads)
 and whose backward runs the backward program (boundary gradients in, input-activation and parameter
-gradients out). torch.distributed.pipelining's PipelineStage and ScheduleGPipe / Schedule1F1B run
+gradients out); a stage with ZeRO-1/2 parameters first runs its `gather` program once per step (the
+gathered copies, kept for the step's micro-batches and freed after the schedule: one gather per step,
+as the cost model prices; ZeRO-3 parameters are gathered inside every forward and backward program,
+per micro-batch, as priced). torch.distributed.pipelining's PipelineStage and ScheduleGPipe / Schedule1F1B run
 the micro-batches; an interleaved plan (p*v chunks, rank d holding chunks d, d+p, ...) builds one
 PipelineStage per chunk it holds and runs them with ScheduleInterleaved1F1B. A parameter used by
 several stages (a tied embedding) lives once on each rank that holds one of them (shared by that
@@ -34,6 +37,8 @@ and are ignored. A rank passes the global batch or its data-parallel slice
 (`autopar/runtime/batch.py`: rank r's slice stands for its r-th part of each micro-batch).
 """
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -120,6 +125,7 @@ class _StageFn(torch.autograd.Function):
         env.update({("input", n): x for n, x in zip(prog.inputs, args[num_params:])})
         with torch.no_grad():
             outs = prog.forward(*[env[k] for k in prog.forward_args])
+        stage.runs["forward"] += 1
         n_out = 1 if stage.is_last else len(prog.outputs)
         fctx.stage, fctx.locals, fctx.num_inputs = stage, args[:num_params], len(args) - num_params
         fctx.saved = outs[n_out:]
@@ -141,6 +147,7 @@ class _StageFn(torch.autograd.Function):
                 g = torch.zeros_like(like) if g is None else g
                 env[("grad", name)] = stage.relayout(g, prog, name, to_grad=True)
         outs = prog.backward(*[env[k] for k in prog.backward_args])
+        stage.runs["backward"] += 1
         scale = grads[0] if stage.is_last and not is_unit_seed(grads[0]) else None
         outs = [o if o is None or scale is None else o * scale for o in outs]
         by_param = dict(zip(prog.grad_params, outs))
@@ -163,11 +170,31 @@ class _StageModule(nn.Module):
         for i, n in enumerate(self.param_names):
             self.register_parameter(f"p{i}", params[n])
         self._buffers_by_name = buffers
+        self._gathered: dict = {}
+        self.runs: Counter = Counter()   # programs run in the current (or last) step: gather, forward, backward
 
     def state_env(self, locals_) -> dict:
         env = {("param", n): t for n, t in zip(self.param_names, locals_)}
         env.update({("buffer", n): b.to_local() for n, b in self._buffers_by_name.items()})
+        env.update(self._gathered)
         return env
+
+    def begin_step(self) -> None:
+        """Make this stage's ZeRO-1/2 gathered copies (`StageProgram.gather`) once for the step's micro-batches,
+        from the parameters as the optimizer left them."""
+        self.runs.clear()
+        prog = self.program
+        if prog.gather is None:
+            return
+        env = self.state_env([getattr(self, f"p{i}").to_local() for i in range(len(self.param_names))])
+        with torch.no_grad():
+            outs = prog.gather(*[env[k] for k in prog.gather_args])
+        self._gathered = {("gathered", n): t for n, t in zip(prog.gathered, outs)}
+        self.runs["gather"] += 1
+
+    def end_step(self) -> None:
+        """Free the gathered copies (the schedule has run every micro-batch's backward)."""
+        self._gathered = {}
 
     def relayout(self, g: torch.Tensor, prog: StageProgram, name: str, to_grad: bool) -> torch.Tensor:
         """A boundary gradient between the value's layout (what PipelineStage sends and checks) and the
@@ -273,7 +300,13 @@ class PipelinedModule(DataParallelInputs, nn.Module):
         last = self._pp_rank == self._num_ranks - 1   # the last chunk's rank (chunk p*v - 1 is on rank p - 1)
         losses: list = []
         extra = dict(target=torch.zeros(self._m), losses=losses, return_outputs=False) if last else {}
-        (self._schedule.step if train else self._schedule.eval)(*args, **extra)
+        for stage in self._stages:   # ZeRO-1/2 gathers: once per step, kept for every micro-batch
+            stage.begin_step()
+        try:
+            (self._schedule.step if train else self._schedule.eval)(*args, **extra)
+        finally:
+            for stage in self._stages:
+                stage.end_step()
         if train:   # before the world-wide broadcast: a stage that drains early reduces while others finish
             self._reduce_deferred()
         loss = torch.stack([x.detach() for x in losses]).mean() if last else torch.zeros(())
