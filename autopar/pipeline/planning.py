@@ -15,9 +15,9 @@ Collectives: `Plan.collectives` lists those of the micro-batch graph, each once.
 gradient all-reduce runs once per step, after the schedule's last backward (the runtime defers it,
 passes/defer_grad_reductions.py); every other collective runs in the stage programs, once per
 micro-batch (activation resharding, ZeRO gradient reduce-scatters, the loss's), a tied parameter's
-gradient collectives on each stage that holds it. A known gap: a ZeRO-1/2 parameter gather, which
-the cost model counts once per step, is recomputed by every program that reads the parameter (a
-forward and usually the backward program of each micro-batch; passes/split_stages.py, floating nodes).
+gradient collectives on each stage that holds it. A ZeRO-1/2 parameter gather runs once per step, in
+the stage's gather program before the schedule (passes/split_stages.py), as it is priced; a ZeRO-3
+gather runs in every micro-batch's forward and backward (what saves its memory), as it is priced too.
 
 Composes with: mixed precision (the micro-batch graph captured under the policy, as SPMD plans
 capture the batch; `Plan.mixed_precision`), activation recompute and memory rows (`_solve_stages`:
