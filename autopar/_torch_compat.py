@@ -34,6 +34,9 @@ __all__ = [
     "dtensor_spec",
     "dtensor_grad",
     "has_grad_hooks",
+    "InitGroupHook",
+    "foreach_mul_",
+    "local_tensors",
 ]
 
 # DTensor's placement for a dim viewed as `split_factor` equal pieces, each sharded over the mesh axis
@@ -48,6 +51,12 @@ def strided_shard(dim: int, split_factor: int) -> _StridedShard:
 def local_tensor(dt: DTensor) -> torch.Tensor:
     """The local shard of `dt` itself, outside autograd (what `to_local()` views, minus its autograd node)."""
     return dt._local_tensor
+
+
+def local_tensors(items: list) -> list:
+    """`items` with each DTensor replaced by its local shard (`local_tensor`), anything else kept: one pass,
+    no call per item (an optimizer step maps several lists of every parameter tensor)."""
+    return [t._local_tensor if isinstance(t, DTensor) else t for t in items]
 
 
 def dtensor_spec(dt: DTensor) -> DTensorSpec:
@@ -65,6 +74,27 @@ def dtensor_grad(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     else:
         spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=TensorMeta(meta.shape, tuple(stride), local.dtype))
     return DTensor(local, spec, requires_grad=False)
+
+
+class InitGroupHook:
+    """Mixin before a torch.optim optimizer class: its step() gathers each param group's per-tensor lists
+    (params, grads, states, steps) with the private `_init_group(group, *lists)` (every built-in
+    optimizer, torch 2.6-2.14), then hands them to its foreach/fused functional. This asks
+    `self._reuse(group, lists)` first, which may fill the lists itself and return `_init_group`'s result;
+    otherwise it runs torch's, then `self._gathered(group, lists, result)`, which may replace the lists'
+    items in place."""
+
+    def _init_group(self, group, *lists):
+        result = self._reuse(group, lists)
+        if result is None:
+            result = super()._init_group(group, *lists)
+            self._gathered(group, lists, result)
+        return result
+
+
+def foreach_mul_(tensors: list[torch.Tensor], scalar: torch.Tensor) -> None:
+    """Each tensor of `tensors` (one device and dtype) times `scalar`, in place, in one foreach kernel."""
+    torch._foreach_mul_(tensors, scalar)
 
 
 def has_grad_hooks(t: torch.Tensor) -> bool:

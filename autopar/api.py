@@ -56,13 +56,11 @@ def plan(model: nn.Module, example_inputs, *, mesh: Mesh | tuple, strategy: Stra
                        mixed_precision=mixed_precision, recompute=recompute, num_microbatches=num_microbatches,
                        schedule=schedule, virtual_stages=virtual_stages)
     if _stage_count(num_stages) > 1 or "pp" in mesh.axis_names:
-        if mixed_precision is not None or recompute not in (None, "none"):
-            raise InputError("mixed_precision and recompute are not supported with pipelined plans yet")
         return plan_pipelined(model, example_inputs, mesh=mesh, num_stages=num_stages,
                               num_microbatches=num_microbatches, schedule=schedule, virtual_stages=virtual_stages,
                               example_kwargs=example_kwargs, loss_fn=loss_fn, strategy=strategy,
                               memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
-                              baselines=baselines)
+                              baselines=baselines, mixed_precision=mixed_precision, recompute=recompute)
     _reject_pipeline_options("plan", num_microbatches, schedule, virtual_stages)
     return plan_spmd(model, example_inputs, mesh=mesh, strategy=strategy, memory_budget=memory_budget,
                      optimizer=optimizer, loss_fn=loss_fn, time_limit=time_limit, example_kwargs=example_kwargs,

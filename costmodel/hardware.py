@@ -63,6 +63,11 @@ class HardwareSpec:
     than in lockstep, as in a training step (once per collective, not per hop): on a CPU with gloo,
     ~1 ms of waking the communication threads of ranks that were busy computing; the alpha-beta
     fits are timed back to back and do not see it. Measured by `autopar calibrate`; presets 0.
+    `fused_step_overhead` is `param_step_overhead` when `pmodel.optimizer(...)` steps the local shards
+    with torch's fused kernel (`autopar/runtime/optim.py`): zero_grad and the gradient's wrapping stay,
+    the DTensor dispatch of the step goes. Plans made with `optimizer="fused_adamw"` (any name with the
+    `fused_` prefix) price it (`step_overhead`); 0 means unmeasured (the presets): then
+    `param_step_overhead` prices it too.
     """
 
     name: str
@@ -80,6 +85,7 @@ class HardwareSpec:
     attention_efficiency: float = 1.0           # attention forward FLOP/s / matmul FLOP/s
     attention_backward_efficiency: float = 1.0  # attention backward FLOP/s / matmul FLOP/s
     sync_latency: float = 0.0         # seconds a blocking collective adds after compute (calibrated)
+    fused_step_overhead: float = 0.0  # param_step_overhead under pmodel.optimizer (0: unmeasured)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -88,7 +94,7 @@ class HardwareSpec:
         object.__setattr__(self, "peak_flops", {k: float(v) for k, v in self.peak_flops.items()})
         for name in ("mem_bandwidth", "mem_capacity", "compute_efficiency", "op_overhead",
                      "param_step_overhead", "transcendental_rate", "attention_efficiency",
-                     "attention_backward_efficiency", "sync_latency"):
+                     "attention_backward_efficiency", "sync_latency", "fused_step_overhead"):
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "collectives", {k: dict(v) for k, v in self.collectives.items()})
 
@@ -103,6 +109,10 @@ class HardwareSpec:
         if fitted is not None:
             return fitted
         return self.intra_node if link_kind == "intra" else self.inter_node
+
+    def step_overhead(self, fused: bool) -> float:
+        """Seconds a step adds per parameter tensor: under pmodel.optimizer (`fused`) when measured."""
+        return self.fused_step_overhead if fused and self.fused_step_overhead > 0 else self.param_step_overhead
 
     def flops(self, dtype_name: str) -> float:
         """Peak dense FLOP/s for a dtype name; dtypes without an entry use float32's peak."""
@@ -160,10 +170,12 @@ class HardwareSpec:
 
 _FIELDS = ("name", "peak_flops", "mem_bandwidth", "mem_capacity", "intra_node", "inter_node",
            "devices_per_node", "compute_efficiency", "collectives", "op_overhead", "param_step_overhead",
-           "transcendental_rate", "attention_efficiency", "attention_backward_efficiency", "sync_latency")
+           "transcendental_rate", "attention_efficiency", "attention_backward_efficiency", "sync_latency",
+           "fused_step_overhead")
 _REQUIRED = _FIELDS[:7]
 _OPTIONAL = {"op_overhead": 0.0, "param_step_overhead": 0.0, "transcendental_rate": 0.0,   # default when absent
-             "attention_efficiency": 1.0, "attention_backward_efficiency": 1.0, "sync_latency": 0.0}
+             "attention_efficiency": 1.0, "attention_backward_efficiency": 1.0, "sync_latency": 0.0,
+             "fused_step_overhead": 0.0}
 _FIX = "fix the field or regenerate the profile with HardwareSpec.save()"
 
 
@@ -206,6 +218,7 @@ def _validate(spec: HardwareSpec) -> None:
     _check_non_negative("param_step_overhead", spec.param_step_overhead)
     _check_non_negative("transcendental_rate", spec.transcendental_rate)
     _check_non_negative("sync_latency", spec.sync_latency)
+    _check_non_negative("fused_step_overhead", spec.fused_step_overhead)
     _check_positive("attention_efficiency", spec.attention_efficiency)
     _check_positive("attention_backward_efficiency", spec.attention_backward_efficiency)
     if not isinstance(spec.collectives, dict) or not set(spec.collectives) <= set(LINK_KINDS):

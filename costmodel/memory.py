@@ -33,13 +33,22 @@ _STATE_TENSORS: dict[str, float] = {
 }
 
 
+FUSED_PREFIX = "fused_"   # "fused_adamw": AdamW stepped by pmodel.optimizer on local shards (same state)
+
+
+def steps_local_shards(optimizer: str | int | float) -> bool:
+    """Whether the plan's optimizer name says `pmodel.optimizer(...)` steps it (the `fused_` prefix): the
+    cost model then prices its per-tensor work with `HardwareSpec.fused_step_overhead`."""
+    return isinstance(optimizer, str) and optimizer.lower().startswith(FUSED_PREFIX)
+
+
 def optimizer_state_bytes_per_param(optimizer: str | int | float,
                                     param_dtype: torch.dtype = torch.float32,
                                     *, master_weights: bool = False) -> float:
     """Bytes of optimizer state per parameter element.
 
-    `optimizer` is a name from the table above or a number of bytes per element for a custom
-    optimizer. States are fp32 (fp64 for fp64 parameters). `master_weights=True` adds an fp32
+    `optimizer` is a name from the table above (with or without the `fused_` prefix) or a number of
+    bytes per element for a custom optimizer. States are fp32 (fp64 for fp64 parameters). `master_weights=True` adds an fp32
     master copy for parameters stored in a narrower dtype (the ZeRO paper's mixed-precision Adam:
     2 + 2 + 12 bytes per parameter).
     """
@@ -47,9 +56,11 @@ def optimizer_state_bytes_per_param(optimizer: str | int | float,
         if not 0 <= optimizer < math.inf:
             raise InputError(f"optimizer state bytes per element must be >= 0, got {optimizer!r}")
         return float(optimizer)
+    if steps_local_shards(optimizer):
+        optimizer = optimizer[len(FUSED_PREFIX):]
     if not isinstance(optimizer, str) or optimizer.lower() not in _STATE_TENSORS:
         raise InputError(f"unknown optimizer {optimizer!r}: use one of {sorted(_STATE_TENSORS)} "
-                         "or a number of bytes of state per parameter element")
+                         "(a `fused_` prefix: stepped by pmodel.optimizer) or a number of bytes of state per parameter element")
     state_itemsize = max(4, param_dtype.itemsize)
     nbytes = _STATE_TENSORS[optimizer.lower()] * state_itemsize
     if master_weights and param_dtype.itemsize < 4:

@@ -159,15 +159,16 @@ def setup(args):
     model = GPT(config)
     x, y = zip(*(data[i] for i in range(args.batch)))
     example = (torch.stack(x), torch.stack(y))  # the global batch's shapes: what the plan splits
+    # optimizer="fused_adamw": the plan prices the step pmodel.optimizer takes below (local shards, fused kernel)
     pmodel = autoparallelize(model, example, strategy=args.strategy, num_stages=args.num_stages,
-                             schedule=args.schedule)
+                             schedule=args.schedule, optimizer="fused_adamw")
     log = print if dist.get_rank() == 0 else (lambda *a, **k: None)
     log(f"world {dist.get_world_size()}, vocab {data.vocab_size}, {len(data.tokens)} tokens, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     log(describe_plan(pmodel.plan))
     log(f"data: each rank loads {args.batch // pmodel.data_parallel_size} of the {args.batch} windows of a step "
         f"(data_parallel_size {pmodel.data_parallel_size})")
-    opt = torch.optim.AdamW(pmodel.parameters(), lr=args.lr, weight_decay=0.0)
+    opt = pmodel.optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=0.0)   # AdamW on the local shards
     start, ckpt = 0, latest_checkpoint(args.checkpoint_dir)
     if ckpt is not None:
         start = load_checkpoint(pmodel, opt, ckpt)

@@ -17,6 +17,12 @@ unsharded gradient across micro-batches, the memory ZeRO-2/3 save. The cost mode
 micro-batch too (`layer_profile.layer_costs` files a gradient edge's all-reduce seconds under
 per_step, its other collectives under backward), though at the bucketed latency share.
 
+Under a mixed-precision plan whose `reduce_dtype` is narrower than the gradient, lowering wrapped
+the gradient's collectives in a cast down and back (`lower_collectives._reduce_dtype`): the record
+then says the dtype the all-reduce moves ("dtype"), the runtime reduces in it, and a cast pair left
+with nothing between it (every collective inside deferred) is removed, so the micro-batches'
+gradients are summed in fp32 and rounded once, at the step's reduction.
+
 Each removed collective's record (the `autopar_collective` dict of its wait node, plus the parameter
 and the process-group name) goes to gm.meta["autopar_deferred"], so the program's collectives plus
 the deferred ones are still `Plan.collectives` (tests/test_pipeline.py checks it).
@@ -26,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autopar.graph import COLLECTIVE, DEFERRED, OUTS, PASS
+from autopar.graph import COLLECTIVE, DEFERRED, OUTS, PASS, VAL
 from autopar.placement import P
 
 from .context import PassContext
@@ -54,19 +60,43 @@ def _deferrable(wait: fx.Node, name: str) -> bool:
             and info.get("reason") == f"gradient of {name}")
 
 
+def _wire_cast(chain: list[fx.Node]) -> fx.Node | None:
+    """The cast down to the reduce dtype that lowering put first in a gradient's chain, if any."""
+    first = chain[-1] if chain else None
+    if first is not None and first.target is torch.ops.aten._to_copy.default and "dtype" in first.kwargs:
+        return first
+    return None
+
+
+def _drop_cast_pair(gm: fx.GraphModule, down: fx.Node) -> None:
+    """down -> up back to the gradient's dtype, with nothing left between them: both removed."""
+    up = next(iter(down.users))
+    if len(down.users) == 1 and up.target is torch.ops.aten._to_copy.default and \
+            up.kwargs.get("dtype") == down.args[0].meta[VAL].dtype:
+        up.replace_all_uses_with(down.args[0])
+        gm.graph.erase_node(up)
+        gm.graph.erase_node(down)
+
+
 def defer_grad_reductions_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Gradient all-reduces -> gm.meta["autopar_deferred"] (see the module docstring)."""
     deferred = []
     out = gm.graph.output_node()
     for k, name in enumerate(ctx.grad_names, start=1):
-        for wait in [n for n in _chain(out.args[0][k]) if _deferrable(n, name)]:
+        chain = _chain(out.args[0][k])
+        down = _wire_cast(chain)
+        wire = str(down.kwargs["dtype"]).removeprefix("torch.") if down is not None else None
+        waits = [n for n in chain if _deferrable(n, name)]
+        for wait in waits:
             coll = wait.args[0]
             info = wait.meta[COLLECTIVE]
             axis = ctx.axis_names.index(info["axis"])
-            deferred.append(dict(info, param=name, group=coll.args[2], axis_index=axis))
+            deferred.append(dict(info, param=name, group=coll.args[2], axis_index=axis, dtype=wire))
             wait.replace_all_uses_with(coll.args[0])
             gm.graph.erase_node(wait)
             gm.graph.erase_node(coll)
+        if waits and down is not None:
+            _drop_cast_pair(gm, down)
             end = out.args[0][k]   # the gradient the program now returns: Partial on that axis
             if end.meta.get(PASS) == LOWERED and OUTS in end.meta:
                 spec = list(end.meta[OUTS][0])

@@ -13,8 +13,20 @@ Where a node goes (`assign_units`):
             node of a forward op (same seq_nr) -> that op's unit; otherwise (autograd's gradient
             accumulation, pass-made reductions) the earliest unit among its backward inputs
             (gradients flow towards earlier stages), else the latest among its forward inputs.
-  floating  nodes computed from parameters and buffers only (views, ZeRO gathers, factories such as
-            arange) belong to no stage: every program that needs one recomputes it.
+            A recomputed layer's forward copies (`passes/recompute.py`: phase "backward", the
+            layer's module path) go to that layer, so its stage's backward re-runs them and its
+            forward keeps only what they read (the layer's checkpoints).
+  floating  nodes computed from parameters and buffers only (views, ZeRO-3 gathers, factories such
+            as arange) belong to no stage: every program that needs one recomputes it.
+  per step  a ZeRO-1/2 parameter gather (insert_redistribute's "parameter gather (ZeRO-1/2)": the
+            master shard gathered whole, with the local ops its lowering made) is floating too, but
+            runs once per step: each stage's `gather` program makes the gathered copies from the
+            parameters, and its forward and backward programs read them as ("gathered", name)
+            arguments (the runtime keeps them for the step's micro-batches, as the cost model
+            prices: one gather per step, the gathered copy in the state bytes). A ZeRO-3 parameter
+            (stored and used sharded, gathered at each use) stays per program: re-gathering in every
+            micro-batch's forward and backward is what saves its memory, and the cost model prices
+            those gathers per micro-batch (they are the plan's forward and backward edges).
 
 Between stages travel (in graph order): forward values made at or before stage s and read by a later
 stage (inputs such as labels included), and the gradients of the differentiable ones. A backward
@@ -41,7 +53,23 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import AutoparError
-from autopar.graph import DEFERRED, MODULE_PATH, NAME, OUTS, PHASE, ROLE, UNSCOPED, VAL, ancestors, layer_of
+from autopar.graph import (
+    COLLECTIVE,
+    DEFERRED,
+    FUSED,
+    MODULE_PATH,
+    NAME,
+    OUTS,
+    PASS,
+    PHASE,
+    ROLE,
+    UNSCOPED,
+    VAL,
+    ancestors,
+    layer_of,
+)
+
+from .bucket_collectives import ZERO_GATHER
 
 PRE, POST = "<pre>", "<post>"
 _FOREIGN = object()   # another stage's contribution to a shared parameter's gradient: left out
@@ -57,8 +85,10 @@ class StageProgram:
 
     Argument keys: ("param", fqn), ("buffer", fqn), ("input", node name) for a boundary value
     received, ("saved", i) for a value the forward kept, ("grad", node name) for the gradient of a
-    boundary value sent. Forward returns (*outputs, *saved) (the last stage: (loss, *saved));
-    backward returns (*param grads, *input grads)."""
+    boundary value sent, ("gathered", node name) for a ZeRO-1/2 parameter's gathered copy.
+    Forward returns (*outputs, *saved) (the last stage: (loss, *saved)); backward returns
+    (*param grads, *input grads); `gather` (None if the stage has no ZeRO-1/2 parameter), run once
+    per step on `gather_args` (params), returns the copies named in `gathered`, in that order."""
     index: int
     forward: fx.GraphModule
     backward: fx.GraphModule
@@ -78,14 +108,21 @@ class StageProgram:
     # gradient all-reduces left to the runtime, once per step (passes/defer_grad_reductions.py): the
     # records of this stage's grad_params, each with its "param", "group" and "axis_index"
     deferred: list = field(default_factory=list)
+    gather: fx.GraphModule | None = None   # once per step: the ZeRO-1/2 gathered copies (module docstring)
+    gather_args: list = field(default_factory=list)
+    gathered: list = field(default_factory=list)   # node names, in the order `gather` returns them
 
     @property
     def params(self) -> list[str]:
-        return sorted({k[1] for k in self.forward_args + self.backward_args if k[0] == "param"})
+        return sorted({k[1] for k in self._state_args if k[0] == "param"})
 
     @property
     def buffers(self) -> list[str]:
-        return sorted({k[1] for k in self.forward_args + self.backward_args if k[0] == "buffer"})
+        return sorted({k[1] for k in self._state_args if k[0] == "buffer"})
+
+    @property
+    def _state_args(self) -> list:
+        return self.forward_args + self.backward_args + self.gather_args
 
 
 # ---------------------------------------------------------------- where each node goes
@@ -210,6 +247,7 @@ class _Split:
         self.owners = self._owners()
         self.cones = self._cones()
         self.crossing = self._crossing_gradients()
+        self.gathered = _gathered_copies(gm, self.floating)
 
     def is_forward(self, node: fx.Node) -> bool:
         return _role(node) == "input" or (node in self.stage and self.phase[node] == "forward")
@@ -294,6 +332,23 @@ class _Split:
         return out
 
 
+def _gathered_copies(gm: fx.GraphModule, floating: set) -> set:
+    """The floating nodes whose values are ZeRO-1/2 gathered copies (made once per step, module docstring):
+    the last node of each such gather's lowering, or any node of it another node reads."""
+    made: set = set()
+    for node in gm.graph.nodes:
+        if node not in floating:
+            continue
+        records = node.meta.get(FUSED) or [node.meta.get(COLLECTIVE, {})]   # a layer's fused gather: all its
+        if all(r.get("reason") == ZERO_GATHER for r in records):         # members (bucket_layer_gathers)
+            made |= {a for a in ancestors(node) if a in floating}
+        elif (node.meta.get(PASS) in ("lower_collectives", "bucket_layer_gathers")
+              and any(a in made for a in node.all_input_nodes)
+              and all(a in made or _is_state(a) for a in node.all_input_nodes)):
+            made.add(node)   # the gather's local ops after the collective (a fused gather's getitem, a permute back)
+    return {n for n in made if any(u not in made for u in n.users)}
+
+
 def _same(a, b) -> bool:
     return tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
 
@@ -301,8 +356,8 @@ def _same(a, b) -> bool:
 class _Builder:
     """Copies the nodes of one program into a new graph; floating nodes are copied on demand."""
 
-    def __init__(self, split: _Split):
-        self.split, self.graph = split, fx.Graph()
+    def __init__(self, split: _Split, per_step: bool = False):
+        self.split, self.graph, self.per_step = split, fx.Graph(), per_step
         self.env: dict = {}
         self.args: list = []
         self._last_placeholder = None
@@ -326,6 +381,8 @@ class _Builder:
             return self.env[node]
         if _is_state(node):
             return self.arg((node.meta[ROLE], node.meta[NAME]), node)
+        if node in self.split.gathered and not self.per_step:
+            return self.arg(("gathered", node.name), node)
         if node in self.split.floating:
             return self.copy(node)
         raise AssertionError(f"split_stages: {node.name} is not available in this program")
@@ -366,6 +423,16 @@ def _forward_program(split: _Split, s: int, inputs: list, outputs: list, saved: 
             b.copy(node)
     first = [b.value(split.loss)] if s == split.num_stages - 1 else [b.value(o) for o in outputs]
     return b.output(first + [b.value(x) for x in saved]), b.args
+
+
+def _gather_program(split: _Split, programs_args: list) -> tuple:
+    """The once-per-step program making the gathered copies that a stage's programs read (or None)."""
+    names = sorted({k[1] for args in programs_args for k in args if k[0] == "gathered"})
+    if not names:
+        return None, [], []
+    nodes = {n.name: n for n in split.gathered}
+    b = _Builder(split, per_step=True)
+    return b.output([b.value(nodes[n]) for n in names]), b.args, names
 
 
 def _saved(split: _Split, s: int, inputs: list) -> list[fx.Node]:
@@ -462,6 +529,7 @@ def split_stages(gm: fx.GraphModule, stage_units: list[list[str]], unit_names: l
         saved = _saved(split, s, inputs)
         fwd, fwd_args = _forward_program(split, s, inputs, outputs, saved)
         bwd, bwd_args, grad_params, input_grads = _backward_program(split, s, inputs, outputs, saved)
+        gather, gather_args, gathered = _gather_program(split, [fwd_args, bwd_args])
         programs.append(StageProgram(
             index=s, forward=fwd, backward=bwd, forward_args=fwd_args, backward_args=bwd_args,
             inputs=[x.name for x in inputs], outputs=[o.name for o in outputs],
@@ -470,7 +538,8 @@ def split_stages(gm: fx.GraphModule, stage_units: list[list[str]], unit_names: l
             shared_params=[p for p in split.cones if s in split.owners[p]],
             values={x.name: _value_meta(x) for x in inputs + outputs},
             grad_specs=_grad_specs(split, inputs + outputs),
-            deferred=[d for d in gm.meta.get(DEFERRED, ()) if d["param"] in grad_params]))
+            deferred=[d for d in gm.meta.get(DEFERRED, ()) if d["param"] in grad_params],
+            gather=gather, gather_args=gather_args, gathered=gathered))
         inputs = outputs
     check_programs(programs)
     return programs
@@ -482,5 +551,7 @@ def check_programs(programs: list[StageProgram]) -> None:
         assert a.outputs == b.inputs, f"stage {a.index} sends {a.outputs} but stage {b.index} expects {b.inputs}"
     for prog in programs:
         for key in prog.forward_args + prog.backward_args:
-            assert key[0] in ("param", "buffer", "input", "saved", "grad"), key
+            assert key[0] in ("param", "buffer", "input", "saved", "grad", "gathered"), key
+        assert {k[1] for k in prog.forward_args + prog.backward_args if k[0] == "gathered"} == set(prog.gathered)
+        assert all(k[0] in ("param", "buffer") for k in prog.gather_args), prog.gather_args
         assert len(prog.input_grads) <= len(prog.inputs)

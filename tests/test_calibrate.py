@@ -169,6 +169,7 @@ def test_real_calibration_two_ranks(tmp_path):
     assert set(spec.collectives["intra"]) == set(KINDS)
     assert all(link.latency >= 0 and link.bandwidth > 0 for link in spec.collectives["intra"].values())
     assert 0 < spec.compute_efficiency <= 1 and spec.op_overhead > 0 and spec.param_step_overhead > 0
+    assert spec.fused_step_overhead > 0   # measured with pmodel.optimizer's step (autopar/runtime/optim.py)
     assert spec.transcendental_rate > 0 and spec.sync_latency >= 0
     assert spec.attention_efficiency > 0 and spec.attention_backward_efficiency > 0
     assert spec.attention_backward_efficiency != CPU.attention_backward_efficiency   # measured, not the preset's

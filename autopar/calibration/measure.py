@@ -21,9 +21,11 @@ cache (`measure_pointwise`), the per-launch overhead and the memory bandwidth, b
 
 All compute is timed as sustained streams (`_sustained_time`): on a shared machine a burst after
 a pause runs faster than a step that keeps the core busy. The per-parameter work of a step
-(zero_grad, `to_local()`, the gradient's DTensor wrapping, AdamW's step) is timed on K tiny
-DTensor parameters (what `ParallelModule` hands torch.optim) for several K; the slope of t(K) is
-`param_step_overhead`, the seconds each parameter tensor adds beyond its bytes.
+(zero_grad, the gradient's DTensor wrapping into p.grad, AdamW's step, as train_step and the loop
+do them) is timed on K tiny DTensor parameters (what `ParallelModule` hands torch.optim) for several K; the slope of t(K) is
+`param_step_overhead`, the seconds each parameter tensor adds beyond its bytes; the same with
+`pmodel.optimizer`'s fused step on the local shards (`autopar/runtime/optim.py`) gives
+`fused_step_overhead`.
 The collectives above run back to back, the ranks in lockstep; in a step the ranks reach a blocking
 collective from compute. `sync_latency` is the difference: ~10 ms of matmuls then a 4-byte
 all_reduce, against the same matmuls alone and the all_reduce back to back (CPU/gloo: ~1 ms, the
@@ -54,6 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from autopar import _torch_compat as compat
 from autopar.calibration.fit import Sample, fit_line, fit_links
 from autopar.costmodel import compute as compute_model
 from autopar.costmodel.hardware import COLLECTIVE_KINDS, HardwareSpec, get_hardware
@@ -61,6 +64,7 @@ from autopar.costmodel.memory import format_bytes, format_seconds
 from autopar.errors import InputError
 from autopar.mesh import Mesh
 from autopar.runtime.cpu_memory import keep_freed_memory
+from autopar.runtime.optim import local_shard_optimizer
 
 DEFAULT_SIZES = tuple(4 ** k * 1024 for k in range(9))   # 1 KiB .. 64 MiB
 Progress = Callable[[str], None]
@@ -80,6 +84,7 @@ class Calibration:
     transcendental_rate: float = 0.0   # elements/s of exp, tanh and gelu (median)
     attention_backward_flops: float = 0.0   # achieved FLOP/s of its backward
     sync_latency: float = 0.0  # seconds a blocking collective adds after compute (median excess)
+    fused_step_overhead: float = 0.0   # param_step_overhead with pmodel.optimizer's fused local-shard step
 
     def summary(self) -> str:
         """A short table of the fitted links and compute figures."""
@@ -92,7 +97,8 @@ class Calibration:
                  f" pointwise "
                  f"{format_bytes(self.mem_bandwidth)}/s, exp/tanh/gelu {self.transcendental_rate / 1e6:.0f} M elements/s, "
                  f"op overhead {format_seconds(self.op_overhead)}, "
-                 f"{format_seconds(self.param_step_overhead)} per parameter tensor per step, "
+                 f"{format_seconds(self.param_step_overhead)} per parameter tensor per step "
+                 f"({format_seconds(self.fused_step_overhead)} with pmodel.optimizer), "
                  f"{format_seconds(self.sync_latency)} per collective reached from compute"]
         for link_kind, fits in self.spec.collectives.items():
             for kind, link in fits.items():
@@ -107,7 +113,8 @@ def build_profile(base: HardwareSpec, samples: Sequence[Sample], *, matmul_flops
                   param_step_overhead: float | None = None,
                   transcendental_rate: float | None = None, attention_flops: float | None = None,
                   attention_backward_flops: float | None = None,
-                  sync_latency: float | None = None) -> HardwareSpec:
+                  sync_latency: float | None = None,
+                  fused_step_overhead: float | None = None) -> HardwareSpec:
     """The calibrated spec: base's capacity, measured compute, fitted links (base's where unmeasured;
     the per-tensor step overhead, the transcendental rate and the attention efficiencies too when
     not measured). An attention efficiency is its FLOP/s over the matmul's."""
@@ -127,7 +134,8 @@ def build_profile(base: HardwareSpec, samples: Sequence[Sample], *, matmul_flops
                               else attention_flops / matmul_flops),
         attention_backward_efficiency=(base.attention_backward_efficiency if attention_backward_flops is None
                                        else attention_backward_flops / matmul_flops),
-        sync_latency=base.sync_latency if sync_latency is None else sync_latency)
+        sync_latency=base.sync_latency if sync_latency is None else sync_latency,
+        fused_step_overhead=base.fused_step_overhead if fused_step_overhead is None else fused_step_overhead)
 
 
 # --- measuring (every rank runs these in the same order) -------------------------------------------
@@ -341,24 +349,33 @@ def measure_pointwise(device: torch.device, iters: int, dtype: torch.dtype, max_
     return overhead, 1.0 / max(statistics.fmean(f[1] for f in fits), 1e-15)
 
 
-def measure_param_step(device: torch.device, iters: int, counts: Sequence[int] = (4, 16, 64)) -> float:
-    """Seconds per parameter tensor of what a training step does once per DTensor parameter, on
-    tiny replicated parameters of a 1-D mesh of the world: `zero_grad`, `to_local()` in forward,
-    the gradient wrapped back into a DTensor in backward, and `torch.optim.AdamW().step()` (default
-    options). The slope of `fit_line` over `counts` tensors; their bytes are negligible, so the
-    slope is the per-tensor dispatch cost."""
+def measure_param_step(device: torch.device, iters: int, counts: Sequence[int] = (4, 16, 64),
+                       fused: bool = False) -> float:
+    """Seconds per parameter tensor of what a training step does once per DTensor parameter, as
+    `ParallelModule.train_step` and the user's loop do it: `zero_grad(set_to_none=True)`, the graph's
+    local gradient wrapped into a DTensor and stored in `p.grad` (no autograd: train_step skips it
+    unless a hook watches the step), and `torch.optim.AdamW().step()` with default options (`fused`:
+    `pmodel.optimizer(torch.optim.AdamW)`'s step on the local shards instead), on tiny replicated
+    parameters of a 1-D mesh of the world. The slope of `fit_line` over `counts` tensors; their bytes
+    are negligible, so the slope is the per-tensor dispatch cost. (Timing autograd's `to_local` /
+    backward path as well over-priced the example GPT's 52 parameters by ~35%.)"""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
+
     device_mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     times = []
     for count in counts:
         params = [torch.nn.Parameter(distribute_tensor(torch.ones(16, device=device), device_mesh, [Replicate()]))
                   for _ in range(count)]
-        opt = torch.optim.AdamW(params, lr=1e-3)
+        specs = [compat.dtensor_spec(p) for p in params]
+        local_grad = torch.ones(16, device=device)
+        opt = local_shard_optimizer(torch.optim.AdamW, params, lr=1e-3) if fused else torch.optim.AdamW(params, lr=1e-3)
 
-        def step(params=params, opt=opt):
+        def step(params=params, specs=specs, opt=opt):
             opt.zero_grad(set_to_none=True)
-            torch.stack([p.to_local().sum() for p in params]).sum().backward()
+            with torch.no_grad():
+                for p, spec in zip(params, specs):
+                    p.grad = compat.dtensor_grad(local_grad.clone(), spec)
             opt.step()
         times.append(_sustained_time(step, device, iters))
     return fit_line(counts, times)[1]
@@ -440,19 +457,20 @@ def calibrate(mesh_shape: Sequence[int] | None = None, *, sizes: Sequence[int] =
     samples = measure_collectives(mesh, sorted(sizes), iters, device, say)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     figures = measure_compute(device, iters, dtype, say, quick_compute)
-    say("per-parameter step work: zero_grad, to_local, backward, AdamW over 4, 16, 64 DTensor parameters; "
-        "a collective reached from compute")
+    say("per-parameter step work: zero_grad, gradient into p.grad, AdamW (and pmodel.optimizer's) over 4, 16, 64 "
+        "DTensor parameters; a collective reached from compute")
     figures = _slowest({**figures, "param_step": measure_param_step(device, iters),
+                        "fused_step": measure_param_step(device, iters, fused=True),
                         "sync": measure_sync_latency(device, iters)}, device)
     spec = build_profile(base_spec, samples, matmul_flops=figures["matmul"], mem_bandwidth=figures["bandwidth"],
                          op_overhead=figures["overhead"], devices_per_node=dpn,
                          dtype="bfloat16" if device.type == "cuda" else "float32",
                          param_step_overhead=figures["param_step"], transcendental_rate=figures["transcendental"],
                          attention_flops=figures["attention"], attention_backward_flops=figures["attention_backward"],
-                         sync_latency=figures["sync"])
+                         sync_latency=figures["sync"], fused_step_overhead=figures["fused_step"])
     return Calibration(spec, tuple(samples), figures["matmul"], figures["attention"], figures["bandwidth"],
                        figures["overhead"], figures["param_step"], figures["transcendental"],
-                       figures["attention_backward"], figures["sync"])
+                       figures["attention_backward"], figures["sync"], figures["fused_step"])
 
 
 def _device() -> torch.device:

@@ -7,10 +7,15 @@ final norm, head, loss). For the chosen strategy of every node this module sums,
     forward / backward   the node's compute + node-local collectives, plus the resharding on its
                          input edges, by the phase of the consuming node (per micro-batch)
     per_step             what runs once per step whatever the micro-batch count: the optimizer
-                         update, ZeRO-1/2 parameter gathers, gradient all-reduces (the pipelined
-                         runtime defers them to the step's end, passes/defer_grad_reductions.py);
+                         update, ZeRO-1/2 parameter gathers (each stage's gather program, run once
+                         before the schedule: passes/split_stages.py), gradient all-reduces (the
+                         pipelined runtime defers them to the step's end, passes/defer_grad_reductions.py);
                          a gradient's other collectives (ZeRO reduce-scatters) run in every
-                         micro-batch's backward and count under backward
+                         micro-batch's backward and count under backward, and so do ZeRO-3 gathers
+                         (edges into forward and backward ops: each micro-batch's programs re-gather)
+    shared               a parameter several units read (a tied embedding), listed at each reader
+                         with its state and per-step seconds: a stage holding a later reader but
+                         not the first keeps its own copy (autopar/pipeline/stages.py adds it)
     state_bytes          params + gathered params + grads + optimizer state of its parameters
     activation_bytes     the outputs its forward ops keep for backward (problem.saved_values)
     boundary_bytes       forward values made at or before this unit and read by a later unit,
@@ -22,10 +27,11 @@ from __future__ import annotations
 import numpy as np
 import torch.fx as fx
 
-from autopar.graph import PHASE, layer_of, node_path, producer_of
+from autopar.graph import PHASE, ROLE, layer_of, node_path, producer_of
 from autopar.pipeline.stages import LayerCost
 from autopar.placement import local_fraction
 from autopar.planning.problem import CostProblem
+from autopar.planning.recompute import expand
 
 PRE, POST = "<pre>", "<post>"
 STATE = ("params", "gathered_params", "grads", "optimizer")
@@ -84,13 +90,19 @@ def _assign(prob: CostProblem, stack: str, position: dict[int, int], post: int) 
     return unit
 
 
-def layer_costs(prob: CostProblem, choice: np.ndarray, captured=None) -> list[LayerCost]:
+def layer_costs(prob: CostProblem, choice: np.ndarray, captured=None, recompute: tuple[str, ...] = (),
+                expanded=None) -> list[LayerCost]:
     """One LayerCost per unit of the solved problem (see the module docstring), in execution order.
-    `captured` is accepted for the callers' symmetry; the CostProblem already holds the graph."""
+    `captured` is accepted for the callers' symmetry; the CostProblem already holds the graph.
+    `recompute`: the layers whose forward re-runs in backward (`autopar.planning.recompute`): each keeps
+    its recompute activation bytes, and its backward adds the re-run ops and their repeated input
+    reshards (the expanded cost graph's terms under the same strategies; `expanded`: `recompute.expand(prob)`
+    if the caller has it)."""
     names, unit = unit_names(prob)
     n = len(names)
     fwd, bwd, step = np.zeros(n), np.zeros(n), np.zeros(n)
     state, act = np.zeros(n), np.zeros(n)
+    extra_time, extra_act, extra_edge = _recompute_terms(prob, choice, recompute, expanded)
     for i, node in enumerate(prob.nodes):
         k, u = choice[i], unit[i]
         t = float(prob.compute[i][k] + prob.local_comm[i][k])
@@ -100,10 +112,12 @@ def layer_costs(prob: CostProblem, choice: np.ndarray, captured=None) -> list[La
             fwd[u] += t
         else:
             bwd[u] += t
+        bwd[u] += extra_time[i]   # a re-run forward op runs in backward
         state[u] += sum(float(prob.memory[i][c][k]) for c in STATE)
-        act[u] += float(prob.memory[i]["activations"][k])
-    for e, ce in zip(prob.edges, prob.cg.edges):
+        act[u] += float(prob.memory[i]["activations"][k]) + extra_act[i]
+    for j, (e, ce) in enumerate(zip(prob.edges, prob.cg.edges)):
         t, u = float(ce.time[choice[e.src], choice[e.dst]]), unit[e.dst]
+        bwd[u] += extra_edge[j]
         if e.kind == "grad":
             once = _all_reduce_seconds(prob, e, choice)
             step[unit[e.src]] += once
@@ -113,9 +127,59 @@ def layer_costs(prob: CostProblem, choice: np.ndarray, captured=None) -> list[La
         else:
             bwd[u] += t
     boundary = _boundaries(prob, choice, unit, n)
+    shared = _shared(prob, choice, unit)
     used = set(unit)
     return [LayerCost(names[u], float(fwd[u]), float(bwd[u]), float(state[u]), float(act[u]), float(boundary[u]),
-                      per_step=float(step[u])) for u in range(n) if u in used]
+                      per_step=float(step[u]), shared=tuple(shared.get(u, ()))) for u in range(n) if u in used]
+
+
+def _shared(prob: CostProblem, choice: np.ndarray, unit: list[int]) -> dict[int, list[tuple]]:
+    """unit -> (name, state bytes, per-step seconds) of each parameter or buffer that several units read
+    (a tied embedding), listed at every reader (`LayerCost.shared`; counted above in the first reader's
+    unit): what a stage reading it without that unit adds, its own copy's state and per-step costs (ZeRO-1/2
+    gather, optimizer update, the gradient all-reduce)."""
+    once = {e.src: 0.0 for e in prob.edges if e.kind == "grad"}
+    for e in prob.edges:
+        if e.kind == "grad":
+            once[e.src] += _all_reduce_seconds(prob, e, choice)
+    out: dict[int, list[tuple]] = {}
+    for i, node in enumerate(prob.nodes):
+        if node.op != "placeholder" or node.meta.get(ROLE) not in ("param", "buffer"):
+            continue
+        readers = {unit[prob.index[producer_of(u)[0]]] for u in node.users if producer_of(u)[0] in prob.index}
+        readers.discard(-1)
+        if len(readers) < 2:
+            continue
+        k = choice[i]
+        state = sum(float(prob.memory[i][c][k]) for c in STATE)
+        seconds = float(prob.compute[i][k] + prob.local_comm[i][k]) + once.get(i, 0.0)
+        for u in sorted(readers):
+            out.setdefault(u, []).append((node.name, state, seconds))
+    return out
+
+
+def _recompute_terms(prob: CostProblem, choice: np.ndarray, paths: tuple[str, ...], ex=None):
+    """Per node: seconds its re-run adds and the change of its kept bytes; per edge: seconds its
+    repeated reshard adds, when `paths` recompute. Read off `recompute.expand`'s cost graph at the
+    strategies `choice` with those layers' recompute variables set (zeros when `paths` is empty)."""
+    more_time, more_act, more_edge = np.zeros(len(prob.nodes)), np.zeros(len(prob.nodes)), np.zeros(len(prob.edges))
+    if not paths:
+        return more_time, more_act, more_edge
+    ex = expand(prob) if ex is None else ex
+    unknown = [p for p in paths if p not in ex.hubs]
+    assert not unknown, f"layers {unknown} cannot recompute"
+    echoice = np.array([int(k) for k in choice], dtype=np.int64)
+    for path in paths:
+        for i in ex.doubled[path]:
+            echoice[i] = choice[i] + ex.sizes[i]
+    for i in range(len(prob.nodes)):
+        before, after = prob.cg.nodes[i], ex.cg.nodes[i]
+        more_time[i] = float(after.time[echoice[i]] - before.time[choice[i]])
+        more_act[i] = float(after.memory[echoice[i]] - before.memory[choice[i]])
+    for j, (e, before) in enumerate(zip(prob.edges, prob.cg.edges)):
+        after = ex.cg.edges[j].time[echoice[e.src], echoice[e.dst]]
+        more_edge[j] = float(after - before.time[choice[e.src], choice[e.dst]])
+    return more_time, more_act, more_edge
 
 
 def _all_reduce_seconds(prob: CostProblem, e, choice: np.ndarray) -> float:

@@ -15,9 +15,14 @@ Collectives: `Plan.collectives` lists those of the micro-batch graph, each once.
 gradient all-reduce runs once per step, after the schedule's last backward (the runtime defers it,
 passes/defer_grad_reductions.py); every other collective runs in the stage programs, once per
 micro-batch (activation resharding, ZeRO gradient reduce-scatters, the loss's), a tied parameter's
-gradient collectives on each stage that holds it. A known gap: a ZeRO-1/2 parameter gather, which
-the cost model counts once per step, is recomputed by every program that reads the parameter (a
-forward and usually the backward program of each micro-batch; passes/split_stages.py, floating nodes).
+gradient collectives on each stage that holds it. A ZeRO-1/2 parameter gather runs once per step, in
+the stage's gather program before the schedule (passes/split_stages.py), as it is priced; a ZeRO-3
+gather runs in every micro-batch's forward and backward (what saves its memory), as it is priced too.
+
+Composes with: mixed precision (the micro-batch graph captured under the policy, as SPMD plans
+capture the batch; `Plan.mixed_precision`), activation recompute and memory rows (`_solve_stages`:
+the SPMD solve re-run under memory rows, recompute only when no split fits without it; the chosen
+layers' costs in the unit profile), any recipe on the sub-mesh (ZeRO, tensor + sequence parallel).
 
 Defaults: schedule "1f1b"; num_microbatches = num_stages (the least that keeps every stage busy in
 the steady state; more micro-batches shrink the bubble (p-1)/(m+p-1) but each is smaller).
@@ -35,14 +40,18 @@ import dataclasses
 import numpy as np
 import torch
 
+from autopar.capture import precision
 from autopar.costmodel.memory import parse_bytes
 from autopar.debug import PhaseTimer
-from autopar.errors import InputError, MeshError
+from autopar.errors import InfeasiblePlanError, InputError, MeshError
 from autopar.mesh import Mesh
-from autopar.pipeline.stages import INTERLEAVE  # chunks per device the search prices
+from autopar.pipeline.layer_profile import layer_costs
+from autopar.pipeline.stages import INTERLEAVE, chunk_in_flight, partition  # INTERLEAVE: chunks the search prices
 from autopar.plan import NodeChoice, ParamPlacement, Plan, StagePlan
-from autopar.planning import spmd
+from autopar.planning import assemble, spmd
+from autopar.planning import recompute as recompute_mod
 from autopar.planning.problem import ProblemBuilder
+from autopar.planning.solver import solve
 from autopar.sharding import recipes
 
 PP = "pp"
@@ -118,30 +127,38 @@ def microbatch(example_inputs: tuple, m: int) -> tuple:
 
 def plan_pipelined(model, example_inputs, *, mesh, num_stages=None, num_microbatches=None, schedule=None,
                    virtual_stages=None, example_kwargs=None, loss_fn=None, strategy="auto", memory_budget=None,
-                   optimizer: str = "adamw", time_limit=None, baselines: bool = False) -> Plan:
-    """`autopar.plan` for a forced pipeline: capture the micro-batch graph, then plan it."""
+                   optimizer: str = "adamw", time_limit=None, baselines: bool = False, mixed_precision=None,
+                   recompute=None) -> Plan:
+    """`autopar.plan` for a forced pipeline: capture the micro-batch graph (under the precision
+    policy, as `autopar.planning.spmd` captures the whole batch), then plan it."""
     from autopar.capture.canonicalize import canonicalize
     from autopar.capture.trace import capture
     mesh = pipeline_mesh(mesh if isinstance(mesh, Mesh) else Mesh(mesh), num_stages)
     m, schedule, v = schedule_options(mesh.shape[0], num_microbatches, schedule, virtual_stages)
     micro = microbatch(tuple(example_inputs), m)
     micro_kwargs = microbatch((example_kwargs,), m)[0] if example_kwargs else example_kwargs
-    captured = capture(model, micro, example_kwargs=micro_kwargs, loss_fn=loss_fn)
+    captured = capture(model, micro, example_kwargs=micro_kwargs, loss_fn=loss_fn,
+                       mixed_precision=precision.as_policy(mixed_precision))
     canonicalize(captured.gm)
     return plan_pipelined_captured(captured, model, micro, mesh=mesh, num_microbatches=m, schedule=schedule,
                                    virtual_stages=v, strategy=strategy, memory_budget=memory_budget,
-                                   optimizer=optimizer, time_limit=time_limit, baselines=baselines)
+                                   optimizer=optimizer, time_limit=time_limit, baselines=baselines,
+                                   recompute=recompute)
 
 
 def plan_pipelined_captured(captured, model, micro_inputs, *, mesh: Mesh, num_microbatches: int, schedule: str,
                             strategy="auto", memory_budget=None, optimizer: str = "adamw", time_limit=None,
-                            baselines: bool = False, timer=None, virtual_stages: int | None = None) -> Plan:
+                            baselines: bool = False, timer=None, virtual_stages: int | None = None,
+                            mixed_precision=None, recompute=None) -> Plan:
     """A pipelined Plan for the captured MICRO-BATCH graph on `mesh` (axis 0 "pp"). The search
     (autopar.pipeline.search) calls this once it has chosen p, m and the schedule; `virtual_stages`
-    (interleaved only) defaults to stages.INTERLEAVE, as the search prices it."""
-    from autopar.pipeline.layer_profile import layer_costs
-    from autopar.pipeline.stages import partition
+    (interleaved only) defaults to stages.INTERLEAVE, as the search prices it. The precision policy is
+    the capture's (`captured.mixed_precision`): `mixed_precision`, if given, must be the one it was
+    captured with; `recompute` as in `autopar.plan` (`_solve_stages`)."""
     assert mesh.axis_names[0] == PP, mesh
+    if mixed_precision is not None and precision.as_policy(mixed_precision) != captured.mixed_precision:
+        raise InputError(f"mixed_precision={mixed_precision!r}, but the micro-batch graph was captured with "
+                         f"{captured.mixed_precision or 'fp32 (no mixed precision)'}: capture it with the same policy")
     _, _, v = schedule_options(mesh.shape[0], num_microbatches, schedule, virtual_stages)
     sub = sub_mesh(mesh)
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
@@ -153,16 +170,135 @@ def plan_pipelined_captured(captured, model, micro_inputs, *, mesh: Mesh, num_mi
         prob = ProblemBuilder(captured, sub, optimizer).build()
     with timer("baselines"):
         table, solutions = spmd.solve_baselines(prob, captured, sub, time_limit) if baselines else ({}, {})
-    with timer("solve"):              # per-op strategies (no memory row: the stage split enforces the budget)
-        sol, reason = spmd.solve_requested(prob, captured, sub, wanted, solutions, time_limit)
+    split_fn = _Splitter(mesh, num_microbatches, schedule, budget, v)
+    with timer("solve"):              # per-op strategies and recompute, then the exact split into p*v chunks
+        sol, reason, rc, layers, split = _solve_stages(prob, captured, sub, wanted, solutions, time_limit,
+                                                       recompute, split_fn)
     one_stage = spmd.assemble_plan(prob, captured, sub, strategy, wanted, None, sol, reason, table, timer, model,
-                             micro_inputs)
-    with timer("stages"):             # exact contiguous split of the units into p stages (p*v chunks)
-        layers = layer_costs(prob, sol.choice, captured)
-        p2p = lambda nbytes: mesh.p2p_time(nbytes, PP)  # noqa: E731
-        split = partition(layers, mesh.shape[0], num_microbatches, schedule, p2p_time=p2p, memory_budget=budget,
-                          v=v)
+                                   micro_inputs)
+    one_stage = assemble.with_recompute(one_stage, prob, sol.choice, rc)
     return widen(one_stage, mesh, layers, split, num_microbatches, schedule, budget, captured, v)
+
+
+class _Splitter:
+    """`stages.partition` of unit costs for one pipeline (p stages x v chunks, m micro-batches, a
+    schedule, the budget), and the in-flight micro-batches of each chunk that its memory counts."""
+
+    def __init__(self, mesh: Mesh, m: int, schedule: str, budget: float | None, v: int):
+        self.p, self.m, self.schedule, self.budget, self.v = mesh.shape[0], m, schedule, budget, v
+        self.p2p = lambda nbytes: mesh.p2p_time(nbytes, PP)  # noqa: E731
+        self.counts = [chunk_in_flight(schedule, self.p, m, k, v) for k in range(self.p * v)]
+
+    def __call__(self, layers):
+        return partition(layers, self.p, self.m, self.schedule, p2p_time=self.p2p, memory_budget=self.budget,
+                         v=self.v)
+
+
+ROW_RETRIES = 8   # memory rows tried before the pipeline is called infeasible
+
+
+def _solve_stages(prob, captured, sub: Mesh, wanted, solutions, time_limit, recompute, split_fn: _Splitter):
+    """(solution, infeasible reason, RecomputeDecision or None, unit costs, split).
+
+    First the SPMD solve without a memory row (the stage split enforces the budget). Only if no split
+    fits, the solve is repeated under memory rows on the micro-batch graph (`_row_search`), where the
+    solver trades time for memory (sequence parallelism, ZeRO, other placements); and only if that
+    finds no split either, with recompute None/"auto", strategies and activation recompute are solved
+    together under such rows (`autopar.planning.recompute`; "none" never recomputes). The layers it
+    recomputes show up in the unit costs (less activation memory, the re-run forward in backward),
+    which the split then prices. recompute "all" / a list of layer paths: forced, no row."""
+    mode = recompute_mod.normalize(recompute, list(recompute_mod.layer_nodes(prob.gm)))
+    fixed = None if all(r == "auto" for r in wanted) else spmd.restricted_choices(prob, captured, sub, wanted)
+    if mode not in ("auto", "none"):
+        sol, rc = recompute_mod.solve_recompute(prob, mode, fixed=fixed, time_limit=time_limit)
+        layers = layer_costs(prob, sol.choice, captured, recompute=rc.paths)
+        return sol, "", rc, layers, split_fn(layers)
+    sol, reason = spmd.solve_requested(prob, captured, sub, wanted, solutions, time_limit)
+    layers = layer_costs(prob, sol.choice, captured)
+    try:
+        return sol, reason, None, layers, split_fn(layers)
+    except InfeasiblePlanError as e:
+        if split_fn.budget is None:
+            raise
+        error = e
+    tries = [False] + ([True] if mode == "auto" and recompute_mod.recomputable(prob.gm) else [])
+    for recompute_too in tries:
+        found = _row_search(prob, captured, fixed, time_limit, split_fn, recompute_too, error,
+                            sum(x.state_bytes for x in layers))
+        if not isinstance(found, InfeasiblePlanError):
+            return found
+        error = found if found.min_memory_per_device < error.min_memory_per_device else error
+    raise error
+
+
+def _row_search(prob, captured, fixed, time_limit, split_fn: _Splitter, recompute_too: bool,
+                error: InfeasiblePlanError, state: float):
+    """The first split within the budget of SPMD solutions under tightening memory rows, as
+    `_solve_stages` returns it, or the split's InfeasiblePlanError with the least memory seen. Rows:
+    R = (p B + (c - 1) S) / c at first (S the state bytes, c the mean in-flight micro-batches per
+    stage, so that S + c A <= p B), then lowered by the fullest stage's excess over its in-flight
+    count, doubled at every miss, down to the least memory any plan keeps."""
+    budget, c = split_fn.budget, float(np.mean(split_fn.counts))
+    row = (split_fn.p * budget + (c - 1) * state) / c
+    step, floor = max(error.min_memory_per_device - budget, 0.01 * budget) / max(split_fn.counts), None
+    for _ in range(ROW_RETRIES):
+        try:
+            sol, rc = _solve_row(prob, fixed, time_limit, row, recompute_too)
+        except InfeasiblePlanError as e:
+            if floor is not None:
+                break   # even the least memory a plan keeps does not split within the budget
+            floor = row = e.min_memory_per_device   # no plan keeps less: try exactly that once
+            continue
+        layers = layer_costs(prob, sol.choice, captured, recompute=rc.paths if rc else ())
+        try:
+            split = split_fn(layers)
+        except InfeasiblePlanError as e:
+            error = e if e.min_memory_per_device < error.min_memory_per_device else error
+        else:
+            return _fewer_recomputed(prob, captured, sol, rc, layers, split, split_fn, time_limit)
+        if floor is not None and row <= floor:
+            break
+        row, step = max(row - step, floor or 0.0), 2 * step   # the excess, doubled while it does not suffice
+    return error
+
+
+def _fewer_recomputed(prob, captured, sol, rc, layers, split, split_fn: _Splitter, time_limit):
+    """The found plan with the recompute the split does not need dropped: the row counts activations
+    as if every stage kept the same in-flight share, and recomputes the lowest layers first, so a stage
+    with room may recompute layers it need not (GPipe keeps as many micro-batches on every stage). Drops
+    one layer at a time, the highest first, while the split still fits and is no slower."""
+    if rc is None:
+        return sol, "", rc, layers, split
+    ex, on = recompute_mod.expand(prob), list(rc.paths)
+    for path in reversed(rc.paths):
+        fewer = tuple(p for p in on if p != path)
+        costs = layer_costs(prob, sol.choice, captured, recompute=fewer, expanded=ex)
+        try:
+            found = split_fn(costs)
+        except InfeasiblePlanError:
+            continue
+        if found.step_time <= split.step_time:
+            on, layers, split = list(fewer), costs, found
+    if tuple(on) == rc.paths:
+        return sol, "", rc, layers, split
+    if not on:
+        return sol, "", None, layers, split
+    every = {i: [int(k)] for i, k in enumerate(sol.choice)}   # the same strategies, these layers
+    sol, rc = recompute_mod.solve_recompute(prob, tuple(on), fixed=every, time_limit=time_limit)
+    return sol, "", rc, layers, split
+
+
+def _solve_row(prob, fixed, time_limit, row: float, recompute_too: bool):
+    """(solution, RecomputeDecision or None) of the micro-batch problem under the memory row `row`."""
+    prob.cg.memory_budget = row
+    try:
+        if recompute_too:
+            sol, rc = recompute_mod.solve_recompute(prob, "auto", fixed=fixed, time_limit=time_limit)
+            return sol, rc if rc.paths else None
+        return solve(prob.cg, dedup_layers=bool(prob.cg.layer_groups), fixed=fixed, time_limit=time_limit,
+                     cache=prob.solver_cache), None
+    finally:
+        prob.cg.memory_budget = None
 
 
 def widen(one_stage: Plan, mesh: Mesh, layers, split, m: int, schedule: str, budget, captured,

@@ -5,7 +5,10 @@ sub-mesh (every axis but "pp"), and cuts it into stage programs (`passes/split_s
 its own stage: its parameters (DTensors on the sub-mesh, nowhere else) and a `_StageModule` whose
 forward is an autograd.Function running the stage's forward program (saving what its backward reads)
 and whose backward runs the backward program (boundary gradients in, input-activation and parameter
-gradients out). torch.distributed.pipelining's PipelineStage and ScheduleGPipe / Schedule1F1B run
+gradients out); a stage with ZeRO-1/2 parameters first runs its `gather` program once per step (the
+gathered copies, kept for the step's micro-batches and freed after the schedule: one gather per step,
+as the cost model prices; ZeRO-3 parameters are gathered inside every forward and backward program,
+per micro-batch, as priced). torch.distributed.pipelining's PipelineStage and ScheduleGPipe / Schedule1F1B run
 the micro-batches; an interleaved plan (p*v chunks, rank d holding chunks d, d+p, ...) builds one
 PipelineStage per chunk it holds and runs them with ScheduleInterleaved1F1B. A parameter used by
 several stages (a tied embedding) lives once on each rank that holds one of them (shared by that
@@ -22,16 +25,20 @@ cost the memory ZeRO saves.
 `train_step(*inputs)` returns the mean loss over the micro-batches (the full-batch loss for a mean
 loss) on every rank and leaves gradients, averaged over micro-batches, in p.grad for
 optimizer.step(). Calling the module (`pmodel(*inputs)`) is a forward-only evaluation: the loss, no
-gradients. A meta-device model is materialised module by module (`autopar.runtime.materialize`), each
-rank keeping only its stages' shards. `state_dict()` holds this rank's tensors under the model's keys
-(`autopar.runtime.state`); `load_state_dict` takes the model's full state dict (each rank keeps its
-stages' part); `load_safetensors` / `save_safetensors` read and write pretrained weights. Only the
+gradients. Of a meta-device model each rank builds only the modules that own its stages' tensors, one
+at a time (`autopar.runtime.materialize`), each from a seed shared by every rank, and keeps its shards.
+A bf16 plan's graph is captured under its policy (`autopar.capture.precision`); a recompute plan's
+layers are re-run inside the stages' backward programs (`passes/recompute.py`, before the split).
+`state_dict()` holds this rank's tensors under the model's keys (`autopar.runtime.state`);
+`load_state_dict` takes the model's full state dict (each rank keeps its stages' part); `load_safetensors` / `save_safetensors` read and write pretrained weights. Only the
 first pipeline rank's stage reads the inputs (labels travel to the loss with the activations):
 `needs_inputs` says whether this rank's do; elsewhere the inputs may be None, left out or anything,
 and are ignored. A rank passes the global batch or its data-parallel slice
 (`autopar/runtime/batch.py`: rank r's slice stands for its r-th part of each micro-batch).
 """
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -40,6 +47,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from autopar.capture import precision
 from autopar.capture.canonicalize import canonicalize
 from autopar.capture.trace import capture
 from autopar.errors import InputError
@@ -53,10 +61,10 @@ from autopar.passes.split_stages import StageProgram, split_stages
 from autopar.pipeline import planning as pp
 from autopar.plan import Plan
 from autopar.planning.spmd import fingerprint
-from autopar.runtime import checkpoint, safetensors_io, state
+from autopar.runtime import checkpoint, optim, safetensors_io, state
 from autopar.runtime import compile as compiling
 from autopar.runtime.batch import BatchLayout, DataParallelInputs, input_reads
-from autopar.runtime.materialize import model_tensors
+from autopar.runtime.materialize import is_meta, model_tensors
 from autopar.runtime.tensors import distinct, get_tensor, is_unit_seed, set_tensor
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -70,8 +78,7 @@ def parallelize_pipelined(model: nn.Module, example_inputs: tuple, *, mesh: Mesh
                           strategy="auto", memory_budget=None, optimizer: str = "adamw", time_limit=None,
                           baselines: bool = False, init_fn=None, compile: bool = False) -> "PipelinedModule":
     """The pipelined branch of `autopar.autoparallelize` (called with the resolved mesh of the world)."""
-    if mixed_precision is not None or recompute not in (None, "none"):
-        raise InputError("mixed_precision and recompute are not supported with pipelined plans yet")
+    policy = precision.resolve_with_plan(mixed_precision, plan)  # None: fp32
     if plan is not None and num_stages is None:
         num_stages = plan.mesh.shape[0]
     mesh = plan.mesh if plan is not None else pp.pipeline_mesh(mesh, num_stages)
@@ -83,13 +90,14 @@ def parallelize_pipelined(model: nn.Module, example_inputs: tuple, *, mesh: Mesh
                                 virtual_stages or (pp.chunks_per_device(plan) if plan else None))
     micro = pp.microbatch(tuple(example_inputs), m)
     micro_kwargs = pp.microbatch((example_kwargs,), m)[0] if example_kwargs else example_kwargs
-    captured = capture(model, micro, example_kwargs=micro_kwargs, loss_fn=loss_fn)
+    captured = capture(model, micro, example_kwargs=micro_kwargs, loss_fn=loss_fn, mixed_precision=policy)
     canonicalize(captured.gm)
     if plan is None:
         plan = broadcast(lambda: pp.plan_pipelined_captured(captured, model, micro, mesh=mesh, num_microbatches=m,
                                                             schedule=schedule, virtual_stages=v, strategy=strategy,
                                                             memory_budget=memory_budget, optimizer=optimizer,
-                                                            time_limit=time_limit, baselines=baselines))
+                                                            time_limit=time_limit, baselines=baselines,
+                                                            recompute=recompute))
     plan.check_matches(fingerprint(captured, mesh), mesh)
     device_mesh = init_device_mesh(device_type, tuple(mesh.shape), mesh_dim_names=tuple(mesh.axis_names))
     sub_dm = device_mesh[tuple(mesh.axis_names[1:])]
@@ -120,6 +128,7 @@ class _StageFn(torch.autograd.Function):
         env.update({("input", n): x for n, x in zip(prog.inputs, args[num_params:])})
         with torch.no_grad():
             outs = prog.forward(*[env[k] for k in prog.forward_args])
+        stage.runs["forward"] += 1
         n_out = 1 if stage.is_last else len(prog.outputs)
         fctx.stage, fctx.locals, fctx.num_inputs = stage, args[:num_params], len(args) - num_params
         fctx.saved = outs[n_out:]
@@ -141,6 +150,7 @@ class _StageFn(torch.autograd.Function):
                 g = torch.zeros_like(like) if g is None else g
                 env[("grad", name)] = stage.relayout(g, prog, name, to_grad=True)
         outs = prog.backward(*[env[k] for k in prog.backward_args])
+        stage.runs["backward"] += 1
         scale = grads[0] if stage.is_last and not is_unit_seed(grads[0]) else None
         outs = [o if o is None or scale is None else o * scale for o in outs]
         by_param = dict(zip(prog.grad_params, outs))
@@ -163,11 +173,31 @@ class _StageModule(nn.Module):
         for i, n in enumerate(self.param_names):
             self.register_parameter(f"p{i}", params[n])
         self._buffers_by_name = buffers
+        self._gathered: dict = {}
+        self.runs: Counter = Counter()   # programs run in the current (or last) step: gather, forward, backward
 
     def state_env(self, locals_) -> dict:
         env = {("param", n): t for n, t in zip(self.param_names, locals_)}
         env.update({("buffer", n): b.to_local() for n, b in self._buffers_by_name.items()})
+        env.update(self._gathered)
         return env
+
+    def begin_step(self) -> None:
+        """Make this stage's ZeRO-1/2 gathered copies (`StageProgram.gather`) once for the step's micro-batches,
+        from the parameters as the optimizer left them."""
+        self.runs.clear()
+        prog = self.program
+        if prog.gather is None:
+            return
+        env = self.state_env([getattr(self, f"p{i}").to_local() for i in range(len(self.param_names))])
+        with torch.no_grad():
+            outs = prog.gather(*[env[k] for k in prog.gather_args])
+        self._gathered = {("gathered", n): t for n, t in zip(prog.gathered, outs)}
+        self.runs["gather"] += 1
+
+    def end_step(self) -> None:
+        """Free the gathered copies (the schedule has run every micro-batch's backward)."""
+        self._gathered = {}
 
     def relayout(self, g: torch.Tensor, prog: StageProgram, name: str, to_grad: bool) -> torch.Tensor:
         """A boundary gradient between the value's layout (what PipelineStage sends and checks) and the
@@ -228,7 +258,9 @@ class PipelinedModule(DataParallelInputs, nn.Module):
     def _distribute(self, model, captured, programs: list[StageProgram], stage_plan: Plan,
                     init_fn) -> tuple[dict, dict]:
         """This rank's parameters and buffers (those its programs read, and those it owns: `_owners`), each
-        distributed once over the sub-mesh; a meta-device model materialised module by module."""
+        distributed once over the sub-mesh; of a meta-device model only the modules owning them are built,
+        one at a time, each from a seed every rank shares (`_shared_seed`): a tensor two stages hold (a
+        tied embedding) gets the same values on both."""
         buffer_nodes = {n.meta[NAME]: n.name for n in captured.placeholders("buffer")}
         mine = {n for prog in programs for n in [*prog.params, *prog.buffers]}
         mine |= {n for n, owner in self._owner.items() if owner == self._pp_rank}
@@ -238,7 +270,8 @@ class PipelinedModule(DataParallelInputs, nn.Module):
         grad = {n: p.requires_grad for n, p in model.named_parameters()}
         persistent = {n for e in self._state for n in e.names}
         params, buffers = {}, {}
-        for name, full in model_tensors(model, sorted(specs, key=lambda n: (n not in grad, n)), init_fn, self._device):
+        wanted = sorted(specs, key=lambda n: (n not in grad, n))
+        for name, full in model_tensors(model, wanted, init_fn, self._device, seed=_shared_seed(model, self._device)):
             dt = distribute_tensor(full, self.sub_mesh, specs[name])
             table = params if name in grad else buffers
             table[name] = nn.Parameter(dt, requires_grad=grad[name]) if name in grad else dt
@@ -270,7 +303,13 @@ class PipelinedModule(DataParallelInputs, nn.Module):
         last = self._pp_rank == self._num_ranks - 1   # the last chunk's rank (chunk p*v - 1 is on rank p - 1)
         losses: list = []
         extra = dict(target=torch.zeros(self._m), losses=losses, return_outputs=False) if last else {}
-        (self._schedule.step if train else self._schedule.eval)(*args, **extra)
+        for stage in self._stages:   # ZeRO-1/2 gathers: once per step, kept for every micro-batch
+            stage.begin_step()
+        try:
+            (self._schedule.step if train else self._schedule.eval)(*args, **extra)
+        finally:
+            for stage in self._stages:
+                stage.end_step()
         if train:   # before the world-wide broadcast: a stage that drains early reduces while others finish
             self._reduce_deferred()
         loss = torch.stack([x.detach() for x in losses]).mean() if last else torch.zeros(())
@@ -301,12 +340,14 @@ class PipelinedModule(DataParallelInputs, nn.Module):
     def _reduce_deferred(self) -> None:
         """The gradient all-reduces the stage programs left out (passes/defer_grad_reductions.py), once per
         step on the micro-batches' summed partial gradients: per mesh axis, one bucketed all-reduce per
-        process group (25 MB flat buckets, passes/ops.py), axis after axis (a gradient reduced on two)."""
+        process group (25 MB flat buckets, passes/ops.py), axis after axis (a gradient reduced on two), in the
+        plan's reduce dtype where it is narrower (cast down for the collective, back into p.grad after)."""
         for axis, groups in self._deferred:
             pending = []
-            for group, names in groups:
+            for (group, dtype), names in groups:
                 grads = [self.get_parameter(n).grad.to_local() for n in names]
-                pending.append((grads, start_all_reduce(grads, "sum", group)))
+                wire = grads if dtype is None else [g.to(getattr(torch, dtype)) for g in grads]
+                pending.append((grads, start_all_reduce(wire, "sum", group)))
             for grads, flight in pending:
                 for g, summed in zip(grads, wait_buckets(flight)):
                     g.copy_(summed)
@@ -323,6 +364,13 @@ class PipelinedModule(DataParallelInputs, nn.Module):
 
     def extra_repr(self) -> str:
         return compiling.describe([g for s in self._stages for g in (s.program.forward, s.program.backward)])
+
+    def optimizer(self, cls: type = torch.optim.AdamW, params=None, **options) -> torch.optim.Optimizer:
+        """This rank's parameters' optimizer stepping local shards; see `ParallelModule.optimizer`. Its
+        `clip_grad_norm_` counts every stage's gradients (a parameter shared by stages, once)."""
+        shared = [self.get_parameter(n) for n, _ in self._shared if self._owner[n] != self._pp_rank]
+        return optim.local_shard_optimizer(cls, self.parameters() if params is None else params, uncounted=shared,
+                                           **options)
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -354,6 +402,16 @@ class PipelinedModule(DataParallelInputs, nn.Module):
             full = torch.empty(entry.shape, dtype=entry.dtype, device=self._device)
             dist.recv(full, src)
         return full if rank == 0 else None
+
+
+def _shared_seed(model, device) -> int | None:
+    """For a meta-device model: rank 0's seed (`torch.initial_seed()`), the base of every module's
+    init generator (`autopar.runtime.materialize.module_seed`); None for a real model (nothing drawn)."""
+    if not is_meta(model):
+        return None
+    seed = torch.tensor([torch.initial_seed() % 2 ** 62], dtype=torch.int64, device=device)
+    dist.broadcast(seed, src=0)
+    return int(seed.item())
 
 
 def _owners(programs: list[StageProgram], num_ranks: int, names: list[str]) -> dict[str, int]:
@@ -390,14 +448,17 @@ def _flat(coords, sub_dm) -> int:
     return index
 
 
-def _deferred_by_axis(programs: list[StageProgram]) -> list[tuple[int, list[tuple[str, list[str]]]]]:
-    """[(axis, [(group name, parameter names)])], axes and names sorted: the deferred gradient all-reduces
-    of this rank's chunks (a parameter two chunks share, once), in an order every rank of a group shares."""
-    by_axis: dict[int, dict[str, set[str]]] = {}
+def _deferred_by_axis(programs: list[StageProgram]) -> list[tuple[int, list[tuple[tuple, list[str]]]]]:
+    """[(axis, [((group name, wire dtype or None), parameter names)])], axes and names sorted: the deferred
+    gradient all-reduces of this rank's chunks (a parameter two chunks share, once), in an order every
+    rank of a group shares."""
+    by_axis: dict[int, dict[tuple, set[str]]] = {}
     for prog in programs:
         for d in prog.deferred:
-            by_axis.setdefault(d["axis_index"], {}).setdefault(d["group"], set()).add(d["param"])
-    return [(axis, [(g, sorted(names)) for g, names in sorted(by_axis[axis].items())]) for axis in sorted(by_axis)]
+            key = (d["group"], d.get("dtype"))
+            by_axis.setdefault(d["axis_index"], {}).setdefault(key, set()).add(d["param"])
+    return [(axis, [(key, sorted(names)) for key, names in sorted(by_axis[axis].items(), key=lambda kv: str(kv[0]))])
+            for axis in sorted(by_axis)]
 
 
 def _shared_groups(programs, pp_rank: int, num_ranks: int, per_stage: int, coords, sub_dm) -> list:

@@ -39,6 +39,9 @@ For interleaved_1f1b the same search runs over p*v chunks minimising sum_j t_j /
 (an upper bound of the device formula, as D_d <= v max_j t_j) with each chunk within budget / v, and
 the split is priced by the device formula: a sound plan, not proven optimal across the
 non-contiguous device groups.
+A tensor several units read (LayerCost.shared: a tied embedding) is counted in its first reader's
+unit; a stage that reads it without holding that unit keeps its own copy and adds its state bytes
+and per-step seconds once (the runtime holds, steps, gathers and reduces it on every such stage).
 Per-step costs (LayerCost.per_step: gradient sync, optimizer) run once after the drain, all stages
 in parallel: the step time adds max_k (per-step seconds of stage k) to the split found above. The
 split is exact for the per-micro-batch objective; the per-step term is not part of the search.
@@ -68,6 +71,11 @@ class LayerCost:
     boundary_bytes: float     # per device per micro-batch: the activation this unit sends to the next one
     per_step: float = 0.0     # seconds once per step, not per micro-batch: gradient all-reduces,
                               # optimizer update, ZeRO parameter gathers (added after the drain)
+    # tensors that several units read (a tied embedding: <pre> and <post>), as (key, state bytes, per-step
+    # seconds), listed by every reader and counted in the first one's state_bytes and per_step: a stage
+    # without that first reader holds its own copy (state, ZeRO-1/2 gather, optimizer update, gradient
+    # reduction), once
+    shared: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -162,10 +170,28 @@ def stage_time_matrix(layers: Sequence[LayerCost], p2p_time: Callable[[float], f
 
 
 def _stage_memory(layers: Sequence[LayerCost], counts: Sequence[float]) -> dict[float, np.ndarray]:
-    """M_k[a, b] for each distinct in-flight count: state + count * activations."""
-    state = _segment(_prefix(layers, "state_bytes"))
+    """M_k[a, b] for each distinct in-flight count: state (shared copies included) + count * activations."""
+    state = _segment(_prefix(layers, "state_bytes")) + _shared(layers, 1)
     act = _segment(_prefix(layers, "activation_bytes"))
     return {c: state + c * act for c in set(counts)}
+
+
+def _shared(layers: Sequence[LayerCost], field: int) -> np.ndarray:
+    """X[a, b]: the shared tensors' costs (`LayerCost.shared`, field 1 state bytes, 2 per-step seconds)
+    that a stage of units a..b adds: each tensor once, where the stage reads it but starts after its
+    first reader (which counts it in its own unit)."""
+    n = len(layers)
+    out = np.zeros((n, n))
+    readers: dict = {}
+    for u, x in enumerate(layers):
+        for entry in x.shared:
+            readers.setdefault(entry[0], []).append((u, entry[field]))
+    for rows in readers.values():
+        for a in range(rows[0][0] + 1, n):
+            later = [(u, v) for u, v in rows if u >= a]
+            if later:
+                out[a, later[0][0]:] += later[0][1]
+    return out
 
 
 def _least_sum(T: np.ndarray, masks: list[np.ndarray], bound: float) -> tuple[float, list[int]] | None:
@@ -222,7 +248,7 @@ def partition(layers: Sequence[LayerCost], p: int, m: int, schedule: str, *, p2p
         found = _least_sum(T, masks, bound)
         if found is not None and found[0] / vv + weight * bound < best_val:
             best_val, best_bounds = found[0] / vv + weight * bound, found[1]
-    return _split(T, mem, counts, best_bounds, m, schedule, vv, _prefix(layers, "per_step"))
+    return _split(T, mem, counts, best_bounds, m, schedule, vv, _prefix(layers, "per_step"), _shared(layers, 2))
 
 
 def _first_feasible(T: np.ndarray, masks: list[np.ndarray], values: np.ndarray) -> int:
@@ -258,12 +284,12 @@ def _min_memory(mem: dict, counts: list[float], T: np.ndarray) -> float:
     return float(values[lo])
 
 
-def _split(T, mem, counts, bounds, m, schedule, v, per_step: np.ndarray) -> StageSplit:
+def _split(T, mem, counts, bounds, m, schedule, v, per_step: np.ndarray, shared: np.ndarray) -> StageSplit:
     n, p = T.shape[0], len(bounds) // v
     ends = list(bounds[1:]) + [n]
     times = np.array([T[a, b - 1] for a, b in zip(bounds, ends)])
     memory = [float(mem[c][a, b - 1]) for c, a, b in zip(counts, bounds, ends)]
-    once = np.array([per_step[b] - per_step[a] for a, b in zip(bounds, ends)])
+    once = np.array([per_step[b] - per_step[a] + shared[a, b - 1] for a, b in zip(bounds, ends)])
     if v > 1:  # a device holds chunks d, d+p, ...: its memory is their sum
         memory = [sum(memory[d::p]) for d in range(p)]
     once = once.reshape(v, p).sum(axis=0)

@@ -5,7 +5,8 @@ producer and are folded into edges). For strategy s of node v:
     time[v, s]   = roofline(local FLOPs, local bytes)  + node-local collectives
                    (zero1/2 parameter all-gather, the loss all-reduce to Replicate); for a
                    trainable parameter, its optimizer step: state bytes / bandwidth + the
-                   hardware's per-tensor `param_step_overhead`; for a view op (an alias), the
+                   hardware's per-tensor `param_step_overhead` (`fused_step_overhead` for a
+                   "fused_" optimizer: pmodel.optimizer); for a view op (an alias), the
                    hardware's `op_overhead` alone (a dispatched call, no bytes; the same for every s)
     memory[v, s] = parameter + gradient + optimizer bytes (parameters), or the local bytes of
                    outputs saved for backward (forward ops whose value a backward op reads)
@@ -23,7 +24,7 @@ import torch.fx as fx
 
 from autopar.capture import precision
 from autopar.costmodel import compute
-from autopar.costmodel.memory import optimizer_state_bytes_per_param
+from autopar.costmodel.memory import optimizer_state_bytes_per_param, steps_local_shards
 from autopar.graph import (
     NAME,
     PHASE,
@@ -161,6 +162,7 @@ class ProblemBuilder:
         self.axis_sizes = tuple(mesh.shape)
         self.hw = mesh.hardware
         self.optimizer = optimizer
+        self.fused_step = steps_local_shards(optimizer)   # pmodel.optimizer steps it: fused_step_overhead
         self.enumerate = enumerator or StrategyEnumerator(self.axis_sizes)
         self.reshard = ReshardCost(mesh)
         self._matrices: dict[tuple, np.ndarray] = {}
@@ -269,7 +271,7 @@ class ProblemBuilder:
             if trainable:  # optimizer step: read p, g, states; write p, states (memory bound), plus
                 # the fixed per-tensor cost of a step on a DTensor parameter (the same for every spec)
                 touched = (3 * nbytes + val.numel() * 2 * opt_bytes) * local_fraction(s.master, self.axis_sizes)
-                times[k] = touched / self.hw.mem_bandwidth + self.hw.param_step_overhead
+                times[k] = touched / self.hw.mem_bandwidth + self.hw.step_overhead(self.fused_step)
         return times
 
     def _data_edges(self, prob: CostProblem) -> None:

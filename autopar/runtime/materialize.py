@@ -9,7 +9,9 @@ order. `init_fn` must touch only the module's own (non-recursive) tensors.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
+import zlib
 from typing import Callable, Iterator
 
 import torch
@@ -39,12 +41,13 @@ def is_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in model.parameters())
 
 
-def model_tensors(model: nn.Module, wanted: list[str], init_fn: Callable | None = None, device="cpu"
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
+def model_tensors(model: nn.Module, wanted: list[str], init_fn: Callable | None = None, device="cpu",
+                  seed: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full value) for each name of `wanted` (one name per tensor): a meta-device model's built
-    module by module (`stream_tensors`, in its order), a real model's own, in `wanted`'s order."""
+    module by module (`stream_tensors`, in its order, only the modules that own a wanted tensor, each
+    drawing from its own `seed`-derived generator state), a real model's own, in `wanted`'s order."""
     if is_meta(model):
-        for names, tensor in stream_tensors(model, init_fn, device=device):
+        for names, tensor in stream_tensors(model, init_fn, device=device, only=set(wanted), seed=seed):
             for name in [n for n in names if n in wanted][:1]:   # the wanted name of a tied tensor
                 yield name, tensor
         return
@@ -59,9 +62,15 @@ def _post_order(model: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Mo
     yield prefix, model
 
 
-def stream_tensors(model: nn.Module, init_fn: Callable | None = None, device="cpu"
-                   ) -> Iterator[tuple[list[str], torch.Tensor]]:
-    """Yield (names, tensor) for each distinct parameter/buffer: all FQNs that share it, and its value."""
+def stream_tensors(model: nn.Module, init_fn: Callable | None = None, device="cpu", only: set[str] | None = None,
+                   seed: int | None = None) -> Iterator[tuple[list[str], torch.Tensor]]:
+    """Yield (names, tensor) for each distinct parameter/buffer: all FQNs that share it, and its value.
+
+    `only`: FQNs wanted; a module none of whose own tensors is wanted (under any of its names) is
+    neither given storage nor initialised, and its tensors are not yielded (a pipeline rank builds its
+    stage's modules only). `seed`: each module's init draws from the generator seeded with `seed` and
+    the module's path (`module_seed`), so a module's values do not depend on which other modules this
+    process builds (ranks that build different subsets, and share a tied tensor, agree on it)."""
     init_fn = init_fn or default_init_for(model)
     unset: list[str] = []
     order = list(_post_order(model))
@@ -72,9 +81,13 @@ def stream_tensors(model: nn.Module, init_fn: Callable | None = None, device="cp
                 if t is not None:
                     owners.setdefault(id(t), []).append((k, prefix + name, mod, name, kind))
     last = {key: max(o[0] for o in refs) for key, refs in owners.items()}
+    wanted = {key for key, refs in owners.items() if only is None or any(o[1] in only for o in refs)}
     real: dict[int, torch.Tensor] = {}
     originals = {}
     for k, (prefix, mod) in enumerate(order):
+        own = [id(t) for table in (mod._parameters, mod._buffers) for t in table.values() if t is not None]
+        if own and not any(key in wanted for key in own):
+            continue   # none of its tensors is wanted: no storage, no init
         for kind, table in ((True, mod._parameters), (False, mod._buffers)):
             for name, t in list(table.items()):
                 if t is None:
@@ -84,7 +97,7 @@ def stream_tensors(model: nn.Module, init_fn: Callable | None = None, device="cp
                 if key not in real:
                     real[key] = _unset_marker(torch.empty(t.shape, dtype=t.dtype, device=device))
                 table[name] = nn.Parameter(real[key], requires_grad=t.requires_grad) if kind else real[key]
-        with torch.no_grad():
+        with torch.no_grad(), _module_rng(seed, prefix, device):
             init_fn(mod)
         for kind, table in ((True, mod._parameters), (False, mod._buffers)):
             for name in list(table):
@@ -101,6 +114,25 @@ def stream_tensors(model: nn.Module, init_fn: Callable | None = None, device="cp
                       "least value) until loaded; pass autoparallelize(..., init_fn=fn) where fn(module) sets each "
                       "module's own tensors, or load weights (pmodel.load_safetensors / load_state_dict) before "
                       "training", UninitializedTensorWarning, stacklevel=3)
+
+
+def module_seed(seed: int, prefix: str) -> int:
+    """The generator seed of the module at `prefix` ("transformer.h.0.") under base `seed`."""
+    return (seed + zlib.crc32(prefix.encode())) % 2 ** 63
+
+
+@contextlib.contextmanager
+def _module_rng(seed: int | None, prefix: str, device):
+    """Nothing when `seed` is None (draws continue the process's generator); else the module's own
+    seed, the process's generator state restored afterwards."""
+    if seed is None:
+        yield
+        return
+    dev = torch.device(device)
+    cuda = dict(devices=[dev.index or 0], device_type="cuda") if dev.type == "cuda" else dict(devices=[])
+    with torch.random.fork_rng(**cuda):
+        torch.manual_seed(module_seed(seed, prefix))
+        yield
 
 
 class UninitializedTensorWarning(UserWarning):

@@ -24,7 +24,7 @@ from autopar.passes import PassContext, run_passes
 from autopar.passes.context import parse_spec
 from autopar.plan import Plan
 from autopar.planning.spmd import fingerprint, plan_captured
-from autopar.runtime import checkpoint, safetensors_io, state
+from autopar.runtime import checkpoint, optim, safetensors_io, state
 from autopar.runtime import compile as compiling
 from autopar.runtime.batch import BatchLayout, DataParallelInputs, input_reads
 from autopar.runtime.launch import broadcast_plan, device_type, local_device
@@ -207,6 +207,12 @@ class ParallelModule(DataParallelInputs, nn.Module):
 
     def extra_repr(self) -> str:
         return compiling.describe([self.program])
+
+    def optimizer(self, cls: type = torch.optim.AdamW, params=None, **options) -> torch.optim.Optimizer:
+        """`cls(self.parameters() or params, **options)` (AdamW, Adam, SGD) stepping the DTensors' local shards
+        with torch's fused or foreach kernel: torch.optim's semantics and numbers, no DTensor dispatch per tensor;
+        `.clip_grad_norm_(max_norm)` clips the whole model's gradients (`autopar/runtime/optim.py`)."""
+        return optim.local_shard_optimizer(cls, self.parameters() if params is None else params, **options)
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, torch.Tensor]:
