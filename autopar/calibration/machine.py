@@ -4,8 +4,9 @@
 `cpu` preset, whose figures were measured once on another machine (on this project's 2-core VM the
 example GPT's plan said 134 ms per step under the preset; its steps ran at 75-90 ms). The first job
 for a given host, CPU model, torch version, world size and thread count runs a short calibration on
-every rank (`calibrate` with messages up to 4 MiB, 3 rounds, the small compute benchmarks: ~6 s on
-2 ranks of a 2-core machine); rank 0 writes the profile under `AUTOPAR_CACHE_DIR` (default
+every rank (`calibrate` with messages up to 4 MiB, 3 rounds, and the full compute benchmarks:
+~7 s on 2 ranks of a 2-core machine; the quick ones' smaller operands stay in cache and priced the
+example GPT's step 11% faster than the full ones, 25.6 against 28.7 ms, its step running at 38-43 ms); rank 0 writes the profile under `AUTOPAR_CACHE_DIR` (default
 ~/.cache/autopar) and later jobs read it back. Rank 0's choice is broadcast, so every rank plans on
 the same figures. `AUTOPAR_CALIBRATE=0` plans on the preset instead; the summary then says so.
 """
@@ -107,7 +108,7 @@ def _measure(path: Path, key: dict[str, object], rank0: bool) -> HardwareSpec:
               file=sys.stderr, flush=True)
     start = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
-        spec = calibrate(sizes=QUICK_SIZES, iters=QUICK_ITERS, quick_compute=True, progress=lambda msg: None).spec
+        spec = calibrate(sizes=QUICK_SIZES, iters=QUICK_ITERS, quick_compute=False, progress=lambda msg: None).spec
     seconds = time.perf_counter() - start
     if rank0:
         try:
