@@ -36,7 +36,7 @@ def plan(model: nn.Module, example_inputs, *, mesh: Mesh | tuple, strategy: Stra
          time_limit: float | None = None, example_kwargs: dict | None = None, baselines: bool = True,
          mixed_precision: Precision = None, recompute: Recompute = None, num_stages: int | str | None = "auto",
          num_microbatches: int | None = None, schedule: str | None = None,
-         virtual_stages: int | None = None, search_time: float | None = None) -> Plan:
+         virtual_stages: int | None = None, search: str = "fast") -> Plan:
     """Capture `model`'s training step, price every way to split it over `mesh`, and pick the fastest
     that fits `memory_budget` bytes per device (int or "80GB"). One process, fake tensors.
 
@@ -50,14 +50,15 @@ def plan(model: nn.Module, example_inputs, *, mesh: Mesh | tuple, strategy: Stra
     `num_stages=p` (or a mesh whose first axis is "pp") forces a pipeline of p stages, run with
     `schedule` ("gpipe", "1f1b", "interleaved_1f1b" with `virtual_stages` chunks per device) over
     `num_microbatches`; `num_stages=None` or 1 plans without stages on `mesh` as given.
-    `search_time`: seconds the search may spend pricing pipelines once a plan fits (None: as long as
-    the SPMD candidates took; float("inf"): the exact search); `plan.solver["search"]` counts what it left."""
+    `search="fast"` prices pipelines only when the SPMD plan of the devices as one axis does not fit or
+    is over 4x a pipeline's step bound (else planning stays about as fast as SPMD planning); `search="exact"` always runs the branch and bound
+    over pipelines too (minutes for 8B+ models on this machine's two cores); `plan.solver["search"]`."""
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
     if _searches(num_stages, strategy, mesh):
         return _search(model, example_inputs, mesh=mesh, memory_budget=memory_budget, optimizer=optimizer,
                        loss_fn=loss_fn, time_limit=time_limit, baselines=baselines, example_kwargs=example_kwargs,
                        mixed_precision=mixed_precision, recompute=recompute, num_microbatches=num_microbatches,
-                       schedule=schedule, virtual_stages=virtual_stages, search_time=search_time)
+                       schedule=schedule, virtual_stages=virtual_stages, search=search)
     if _stage_count(num_stages) > 1 or "pp" in mesh.axis_names:
         if mixed_precision is not None or recompute not in (None, "none"):
             raise InputError("mixed_precision and recompute are not supported with pipelined plans yet")
@@ -80,7 +81,7 @@ def autoparallelize(model: nn.Module, example_inputs, *, mesh: Mesh | tuple | No
                     baselines: bool | None = None, mixed_precision: Precision = None,
                     recompute: Recompute = None, num_stages: int | str | None = "auto", num_microbatches: int | None = None,
                     schedule: str | None = None,
-                    virtual_stages: int | None = None, search_time: float | None = None
+                    virtual_stages: int | None = None, search: str = "fast"
                     ) -> ParallelModule | PipelinedModule:
     """Plan (or reuse `plan`), rewrite and return a module that trains on this rank of the job.
 
@@ -107,7 +108,7 @@ def autoparallelize(model: nn.Module, example_inputs, *, mesh: Mesh | tuple | No
             time_limit=time_limit, baselines=baselines is not False, example_kwargs=example_kwargs,
             mixed_precision=mixed_precision, recompute=recompute, num_microbatches=num_microbatches,
             schedule=schedule, virtual_stages=virtual_stages, pipelines=mixed_precision is None,
-            search_time=search_time))
+            search=search))
         mesh, num_stages, num_microbatches, schedule = plan.mesh, None, None, None
         recompute = None if plan.stages and not plan.recompute else recompute
     if _stage_count(num_stages) > 1 or "pp" in mesh.axis_names or (plan is not None and bool(plan.stages)):
@@ -131,10 +132,17 @@ def scaling(model: nn.Module, example_inputs, *, devices: Sequence[int] = (1, 2,
     """Plan `model` on each device count of `devices` (strong scaling: the batch of `example_inputs`
     is split among them) on `hardware` (a preset name or a HardwareSpec), and say where adding
     devices stops paying: the first count whose efficiency falls below `threshold` or whose
-    throughput does not rise (`autopar.planning.scaling`). `.rows`, `.stop_at`, `.reason`, `.plot()`."""
+    throughput does not rise (`autopar.planning.scaling`). Each count is planned by the layout search
+    (`plan`'s default: SPMD plans and, where the devices as one axis do not fit, pipelines), from one
+    capture. `.rows`, `.stop_at`, `.reason`, `.plot()`."""
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+
+    def search(captured, mesh: Mesh, budget) -> Plan:
+        return plan_auto(model, inputs, mesh=mesh, memory_budget=budget, optimizer=optimizer, loss_fn=loss_fn,
+                         time_limit=time_limit, baselines=False, captured=captured)
     return plan_scaling(model, example_inputs, devices=devices, hardware=hardware, memory_budget=memory_budget,
                         threshold=threshold, devices_per_node=devices_per_node, optimizer=optimizer,
-                        loss_fn=loss_fn, time_limit=time_limit)
+                        loss_fn=loss_fn, time_limit=time_limit, planner=search)
 
 
 # ---------------------------------------------------------------- option checks
@@ -146,14 +154,14 @@ def _searches(num_stages, strategy, mesh: Mesh) -> bool:
 
 def _search(model, example_inputs, *, mesh: Mesh, memory_budget, optimizer, loss_fn, time_limit, baselines,
             example_kwargs, mixed_precision, recompute, num_microbatches, schedule, virtual_stages,
-            pipelines: bool = True, search_time: float | None = None) -> Plan:
+            pipelines: bool = True, search: str = "fast") -> Plan:
     if virtual_stages is not None:
         raise InputError("virtual_stages applies to a forced pipeline (num_stages=p); with num_stages='auto' "
                          "the search prices interleaved 1F1B with its own chunk count")
     return plan_auto(model, example_inputs, mesh=mesh, memory_budget=memory_budget, optimizer=optimizer,
                      loss_fn=loss_fn, time_limit=time_limit, example_kwargs=example_kwargs, baselines=baselines,
                      mixed_precision=mixed_precision, recompute=recompute, num_microbatches=num_microbatches,
-                     schedule=schedule, pipelines=pipelines, search_seconds=search_time)
+                     schedule=schedule, pipelines=pipelines, search=search)
 
 
 def _stage_count(num_stages) -> int:

@@ -12,9 +12,11 @@ One capture of the whole batch (under the mixed-precision policy, with `example_
      SPMD problem solved) only if a lower bound of its step is below the best found so far. The bound
      needs no further capture (`Profiler.one_device_seconds`: the whole batch's one-device seconds
      over m), so a model that SPMD already serves at near-linear scaling costs nothing more.
-     The branch and bound is anytime: once a plan fits, pipelines are priced best bound first for
-     `search_seconds` (default as long as the SPMD candidates took); the candidates left then are
-     counted in `plan.solver["search"]` ("exact": False when any was left).
+     With search="fast" (the default) pipelines are searched only when the SPMD plan of the
+     devices as one axis does not fit, or its step exceeds FAST_RATIO times the least lower bound of a
+     pipeline's step (SPMD is far from the work's own time: a pipeline may win by a wide margin). The
+     rule reads the 1-D plan and the device count only, so Mesh((N,)) and Mesh((N // k, k)) search
+     the same pipelines, and the same inputs give the same plan; search="exact" always searches them. `plan.solver["search"]` says which ran.
   3. The fastest feasible candidate is the plan. A pipelined one is built from the very solution the
      search priced (`Profiler.solution`, `stages.partition`'s split): its predicted step and memory
      are the search's.
@@ -26,7 +28,6 @@ memory a candidate needed.
 from __future__ import annotations
 
 import dataclasses
-import time
 
 from autopar.capture import precision
 from autopar.capture.canonicalize import canonicalize
@@ -39,69 +40,72 @@ from autopar.pipeline import planning as pipelined
 from autopar.pipeline.candidates import Candidate, branch_and_bound
 from autopar.pipeline.layer_profile import layer_costs
 from autopar.pipeline.search import Profiler, batch_size, candidate_jobs, state_floor
-from autopar.pipeline.stages import INTERLEAVE
+from autopar.pipeline.stages import INTERLEAVE, step_lower_bound
 from autopar.plan import Plan
 from autopar.planning import spmd
 from autopar.sharding import recipes
 
+SEARCHES = ("fast", "exact")
+FAST_RATIO = 4.0   # search="fast" searches pipelines when the 1-D SPMD step exceeds this times their least bound
+
 
 def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimizer: str = "adamw", loss_fn=None,
               time_limit=None, example_kwargs=None, baselines: bool = True, mixed_precision=None, recompute=None,
-              num_microbatches=None, schedule=None, pipelines: bool = True, search_seconds: float | None = None) -> Plan:
+              num_microbatches=None, schedule=None, pipelines: bool = True, search: str = "fast", captured=None) -> Plan:
     """`autopar.plan`'s default: the fastest of the SPMD plans and the pipelined layouts (module docstring).
-    `pipelines=False` prices the SPMD candidates only. `search_seconds`: how long pipeline candidates
-    may be priced once a plan fits (default: as long as the SPMD candidates took, so the default
-    search at most about doubles an SPMD plan's time; float("inf"): until the branch and bound
-    completes, the exact search)."""
+    `captured`: the whole batch's graph, already captured and canonicalized (autopar.scaling plans one
+    capture on many meshes). `pipelines=False` prices the SPMD candidates only. `search`: "fast" (pipelines are searched when
+    the SPMD plan of the devices as one axis does not fit) or "exact" (always)."""
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
+    if search not in SEARCHES:
+        raise InputError(f"search={search!r}: pass one of {SEARCHES}")
     if schedule is not None and schedule not in pipelined.SCHEDULES:
         raise InputError(f"unknown pipeline schedule {schedule!r}; valid: {pipelined.SCHEDULES}")
     policy = precision.as_policy(mixed_precision)
     timer = PhaseTimer()
-    with timer("capture"):
-        captured = capture(model, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
-                           mixed_precision=policy)
-    with timer("canonicalize"):
-        canonicalize(captured.gm)
+    if captured is None:
+        with timer("capture"):
+            captured = capture(model, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
+                               mixed_precision=policy)
+        with timer("canonicalize"):
+            canonicalize(captured.gm)
     prof = Profiler(model, example_inputs, mesh.hardware, mesh.devices_per_node, optimizer, loss_fn, time_limit,
                     policy, example_kwargs)
     prof.captures[1] = (captured, tuple(example_inputs))   # the whole batch: the bounds' graph
     pipelines = pipelines and mesh.size > 1 and recompute in (None, "auto", "none") and _splits_batch(example_inputs)
-    plans, floors, unexplored = [], [], []
-    start = time.perf_counter()
+    plans, floors, flat = [], [], None
     for k, spmd_mesh in enumerate(_spmd_meshes(mesh)):
         phases = PhaseTimer()
         try:
-            plans.append(spmd.plan_captured(captured, model, example_inputs, mesh=spmd_mesh,
-                                            memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
-                                            baselines=baselines and k == 0, timer=phases, recompute=recompute))
+            got = spmd.plan_captured(captured, model, example_inputs, mesh=spmd_mesh, memory_budget=memory_budget,
+                                     optimizer=optimizer, time_limit=time_limit, baselines=baselines and k == 0,
+                                     timer=phases, recompute=recompute)
+            plans.append(got)
+            flat = got if got.feasible and spmd_mesh.ndim == 1 else flat
         except InfeasiblePlanError as e:
             floors.append(e)
         for name, seconds in phases.items():
             if name != "total":
                 timer[name] = timer.get(name, 0.0) + seconds
-    spmd_seconds = time.perf_counter() - start
     fits = [p for p in plans if p.feasible]
     best = min(fits, key=lambda p: p.predicted_step_time, default=None)
     incumbent = best.predicted_step_time if best is not None else float("inf")
     found: list[Candidate] = []
     jobs: list[tuple] = []
+    explored = False
     if pipelines:
-        with timer("search"):
-            schedules = (schedule,) if schedule else pipelined.SCHEDULES
-            jobs = candidate_jobs(prof, mesh, batch_size(example_inputs), schedules, num_microbatches,
-                                  [p for p in range(2, mesh.size + 1)], accumulate=False)
-            allowance = search_seconds if search_seconds is not None else spmd_seconds
-            # a first pricing captures a micro-batch graph and solves it: about a capture and an SPMD plan
-            estimate = timer.get("capture", 0.0) + spmd_seconds / len(plans + floors)
-            if best is not None and allowance < estimate:   # not one pricing fits the allowance
-                unexplored = [job for job in jobs for _ in job[4]]
-            else:
-                found = branch_and_bound(prof, jobs, budget, None, keep=1, incumbent=incumbent,
-                                         deadline=time.perf_counter() + allowance, unexplored=unexplored,
-                                         estimate=estimate)
-            log(1, f"layout search: {sum(len(j[4]) for j in jobs)} pipeline candidates, {len(found)} priced, "
-                   f"{len(unexplored)} left unexplored after {allowance:.3g} s (incumbent {incumbent:.4g} s)")
+        schedules = (schedule,) if schedule else pipelined.SCHEDULES
+        jobs = candidate_jobs(prof, mesh, batch_size(example_inputs), schedules, num_microbatches,
+                              list(range(2, mesh.size + 1)), accumulate=False)
+        with timer("search"):   # the bounds' one-device problem of the whole batch
+            explored = search == "exact" or flat is None or flat.predicted_step_time > FAST_RATIO * min(
+                (step_lower_bound(*prof.seconds_bound(m, dp * tp), pp, m, s, INTERLEAVE)
+                 for pp, dp, tp, m, names in jobs for s in names), default=float("inf"))
+        if explored:
+            with timer("search"):
+                found = branch_and_bound(prof, jobs, budget, None, keep=1, incumbent=incumbent)
+            log(1, f"layout search: {sum(len(j[4]) for j in jobs)} pipeline candidates, {len(found)} priced "
+                   f"(incumbent {incumbent:.4g} s)")
     piped = min((c for c in found if c.feasible), key=lambda c: c.step_time, default=None)
     if piped is not None and piped.step_time < incumbent:
         with timer("stages"):
@@ -119,10 +123,10 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     if piped is not None and best.stages == ():
         table[_label(piped)] = {"feasible": True, "time": piped.step_time, "memory": piped.memory_per_device,
                                 "reason": ""}
-    search = {"pipeline_candidates": sum(len(j[4]) for j in jobs) if pipelines else 0, "priced": len(found),
-              "unexplored": len(unexplored), "exact": not unexplored}
+    stats = {"pipeline_candidates": sum(len(j[4]) for j in jobs), "priced": len(found),
+             "pipelines_searched": bool(jobs) and explored}
     return dataclasses.replace(best, baselines=table if baselines else best.baselines, timings=dict(timer),
-                               solver={**best.solver, "search": search})
+                               solver={**best.solver, "search": stats})
 
 
 def pipelined_plan(prof: Profiler, best: Candidate, model, budget, timer) -> Plan:

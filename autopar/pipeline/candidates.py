@@ -32,7 +32,6 @@ a spanning forest of the cost graph (`autopar.planning.forest_bound`).
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -74,9 +73,8 @@ class Candidate:
                 "bubble": float(self.split.bubble_fraction) if self.split else None, "reason": self.reason}
 
 
-def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumbent: float = float("inf"),
-                     deadline: float | None = None, unexplored: list | None = None,
-                     estimate: float = 0.0) -> list[Candidate]:
+def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int,
+                     incumbent: float = float("inf")) -> list[Candidate]:
     """Price `jobs` best-first by a lower bound of their step time, skipping every candidate whose
     bound exceeds the `keep`-th fastest feasible time found so far: it cannot be among the `keep`
     fastest, so the search's best (and its keep - 1 runners-up) are those of pricing every job.
@@ -85,10 +83,7 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
     solved together while their CostProblem is kept), then the spanning-forest relaxation of the
     group's CostProblem (`Profiler.forest_bound`, which adds the communication a forest must pay).
     `incumbent`: the step time of a plan found outside `jobs` (the default search's SPMD plan): no
-    candidate whose bound exceeds it is priced. `deadline` (a time.perf_counter() value): no pricing
-    starts once a feasible plan is known and the pricing would end after it (`estimate`: the seconds a
-    first pricing is expected to take; then the last pricing's); the jobs not priced (bound below the cutoff) go to `unexplored`, so the
-    result is exact only when that list stays empty (an anytime branch and bound, best bound first)."""
+    candidate whose bound exceeds it is priced."""
     groups: dict[tuple, list[tuple]] = {}
     for pp, dp, tp, m, names in jobs:
         ops, step = prof.seconds_bound(m, dp * tp)
@@ -107,15 +102,9 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
         for bound, pp, dp, tp, m, s in group:
             if bound > cutoff:
                 continue
-            if deadline is not None and cutoff < float("inf") and time.perf_counter() + estimate > deadline:
-                if unexplored is not None:
-                    unexplored.append((pp, dp, tp, m, s, bound))
-                continue
             if forest and cutoff < float("inf") and prof.forest_bound(m, dp, tp, strategy, pp, s) > cutoff:
                 continue
-            start = time.perf_counter()
             new = price(prof, pp, dp, tp, m, (s,), budget, strategy)
-            estimate = time.perf_counter() - start
             found += new
             fastest = sorted(fastest + [c.step_time for c in new if c.feasible])[:keep]
             # the bound is a sum of the same terms in another order: allow for float rounding
