@@ -61,6 +61,12 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
         raise InputError(f"search={search!r}: pass one of {SEARCHES}")
     if schedule is not None and schedule not in pipelined.SCHEDULES:
         raise InputError(f"unknown pipeline schedule {schedule!r}; valid: {pipelined.SCHEDULES}")
+    floor = state_floor(model, mesh.size, optimizer)
+    if budget is not None and floor > budget:   # before any capture: no layout of mesh.size devices holds less
+        raise InfeasiblePlanError(
+            f"the model's parameters, gradients and {optimizer} state need {format_bytes(floor)} per device even "
+            f"sharded over all {mesh.size} devices; the budget is {format_bytes(budget)}: the smallest plan needs "
+            f"{format_bytes(floor)} or more: use more devices", min_memory_per_device=floor, budget=budget)
     policy = precision.as_policy(mixed_precision)
     timer = PhaseTimer()
     if captured is None:
@@ -118,11 +124,11 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
         if p is not best and p.feasible:
             table[f"spmd {p.mesh.shape}"] = {"feasible": True, "time": p.predicted_step_time,
                                               "memory": p.memory_per_device, "reason": ""}
-    for c in sorted((c for c in found if c.feasible and c is not piped), key=lambda c: c.step_time)[:3]:
-        table[_label(c)] = {"feasible": True, "time": c.step_time, "memory": c.memory_per_device, "reason": ""}
-    if piped is not None and best.stages == ():
-        table[_label(piped)] = {"feasible": True, "time": piped.step_time, "memory": piped.memory_per_device,
-                                "reason": ""}
+    runner_up = piped if best.stages == () else min(
+        (c for c in found if c.feasible and c is not piped), key=lambda c: c.step_time, default=None)
+    if runner_up is not None:   # the best pipeline that lost (or the runner-up of the one that won)
+        table[_label(runner_up)] = {"feasible": True, "time": runner_up.step_time,
+                                    "memory": runner_up.memory_per_device, "reason": ""}
     stats = {"pipeline_candidates": sum(len(j[4]) for j in jobs), "priced": len(found),
              "pipelines_searched": bool(jobs) and explored}
     return dataclasses.replace(best, baselines=table if baselines else best.baselines, timings=dict(timer),
