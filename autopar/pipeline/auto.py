@@ -64,9 +64,10 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     floor = state_floor(model, mesh.size, optimizer)
     if budget is not None and floor > budget:   # before any capture: no layout of mesh.size devices holds less
         raise InfeasiblePlanError(
-            f"the model's parameters, gradients and {optimizer} state need {format_bytes(floor)} per device even "
-            f"sharded over all {mesh.size} devices; the budget is {format_bytes(budget)}: the smallest plan needs "
-            f"{format_bytes(floor)} or more: use more devices", min_memory_per_device=floor, budget=budget)
+            f"no plan fits the memory budget ({format_bytes(budget)} per device) on {mesh.size} devices: the model's "
+            f"parameters, gradients and {optimizer} state need {format_bytes(floor)} per device even sharded over "
+            f"all of them, so the smallest plan needs {format_bytes(floor)} or more: raise memory_budget or use "
+            f"more devices", min_memory_per_device=floor, budget=budget)
     policy = precision.as_policy(mixed_precision)
     timer = PhaseTimer()
     if captured is None:
@@ -173,9 +174,10 @@ def _infeasible(model, mesh, budget, optimizer, plans, floors, found, pipelines)
                      + [p.memory_per_device for p in plans], default=0.0)
     bound = min(spmd_floor, state_floor(model, mesh.size, optimizer)) if pipelines else spmd_floor
     least = min([spmd_floor] + [c.memory_per_device for c in found if not c.feasible])
-    where = "SPMD or pipelined " if pipelines else "SPMD "
+    where = "SPMD and pipelined " if pipelines else "SPMD "
     return InfeasiblePlanError(
-        f"no {where}plan of {mesh.size} devices fits {format_bytes(budget)} per device: the smallest plan needs "
+        f"no plan fits the memory budget ({format_bytes(budget)} per device) on {mesh.size} devices ({where}"
+        f"layouts): the smallest plan needs "
         f"{format_bytes(bound)} or more (a lower bound over every recipe, recompute setting and stage count; "
         f"the least a priced candidate needed is {format_bytes(least)}); raise memory_budget, use more "
         f"devices, or pass mixed_precision='bf16'",
