@@ -15,9 +15,9 @@ from autopar.calibration.machine import machine_hardware
 from autopar.capture.precision import MixedPrecision
 from autopar.errors import InputError, MeshError
 from autopar.mesh import Mesh
+from autopar.pipeline.auto import plan_auto
 from autopar.pipeline.planning import plan_pipelined
 from autopar.pipeline.runtime import PipelinedModule, parallelize_pipelined
-from autopar.pipeline.search import plan_searched
 from autopar.plan import Plan
 from autopar.planning.scaling import ScalingReport, plan_scaling
 from autopar.planning.spmd import plan_spmd
@@ -35,9 +35,9 @@ Recompute = str | Sequence[str] | None
 def plan(model: nn.Module, example_inputs, *, mesh: Mesh | tuple, strategy: Strategy = "auto",
          memory_budget: Budget = None, optimizer: str = "adamw", loss_fn: Callable | None = None,
          time_limit: float | None = None, example_kwargs: dict | None = None, baselines: bool = True,
-         mixed_precision: Precision = None, recompute: Recompute = None, num_stages: int | str | None = None,
+         mixed_precision: Precision = None, recompute: Recompute = None, num_stages: int | str | None = "auto",
          num_microbatches: int | None = None, schedule: str | None = None,
-         virtual_stages: int | None = None) -> Plan:
+         virtual_stages: int | None = None, search: str = "fast") -> Plan:
     """Capture `model`'s training step, price every way to split it over `mesh`, and pick the fastest
     that fits `memory_budget` bytes per device (int or "80GB"). One process, fake tensors.
 
@@ -45,16 +45,21 @@ def plan(model: nn.Module, example_inputs, *, mesh: Mesh | tuple, strategy: Stra
     `mixed_precision="bf16"` (or a `MixedPrecision`) plans the autocast step (`autopar.capture.precision`).
     `recompute`: None/"auto" (layers recompute only when no plan fits the budget otherwise), "none",
     "all", or a list of layer paths ("transformer.h.0"); see `autopar.planning.recompute`.
+    `num_stages="auto"` (the default, with strategy "auto") searches the layout: the SPMD plan on `mesh`
+    (and on its 1-D flattening) and pipeline x data x tensor layouts of the same devices that could
+    beat it (`autopar.pipeline.auto`); the plan's mesh is the layout chosen ("pp" first when pipelined).
     `num_stages=p` (or a mesh whose first axis is "pp") forces a pipeline of p stages, run with
     `schedule` ("gpipe", "1f1b", "interleaved_1f1b" with `virtual_stages` chunks per device) over
-    `num_microbatches`; `num_stages="auto"` searches pipeline x data x tensor layouts
-    (`autopar.pipeline.search`)."""
+    `num_microbatches`; `num_stages=None` or 1 plans without stages on `mesh` as given.
+    `search="fast"` prices pipelines only when the SPMD plan of the devices as one axis does not fit or
+    is over 4x a pipeline's step bound (else planning stays about as fast as SPMD planning); `search="exact"` always runs the branch and bound
+    over pipelines too (minutes for 8B+ models on this machine's two cores); `plan.solver["search"]`."""
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
-    if num_stages == "auto":
+    if _searches(num_stages, strategy, mesh):
         return _search(model, example_inputs, mesh=mesh, memory_budget=memory_budget, optimizer=optimizer,
                        loss_fn=loss_fn, time_limit=time_limit, baselines=baselines, example_kwargs=example_kwargs,
                        mixed_precision=mixed_precision, recompute=recompute, num_microbatches=num_microbatches,
-                       schedule=schedule, virtual_stages=virtual_stages)
+                       schedule=schedule, virtual_stages=virtual_stages, search=search)
     if _stage_count(num_stages) > 1 or "pp" in mesh.axis_names:
         return plan_pipelined(model, example_inputs, mesh=mesh, num_stages=num_stages,
                               num_microbatches=num_microbatches, schedule=schedule, virtual_stages=virtual_stages,
@@ -73,8 +78,8 @@ def autoparallelize(model: nn.Module, example_inputs, *, mesh: Mesh | tuple | No
                     time_limit: float | None = None, verify: bool = False,
                     init_fn: Callable[[nn.Module], None] | None = None, device: str | None = None,
                     baselines: bool | None = None, mixed_precision: Precision = None,
-                    recompute: Recompute = None, num_stages: int | str | None = None, num_microbatches: int | None = None,
-                    schedule: str | None = None, virtual_stages: int | None = None,
+                    recompute: Recompute = None, num_stages: int | str | None = "auto", num_microbatches: int | None = None,
+                    schedule: str | None = None, virtual_stages: int | None = None, search: str = "fast",
                     compile: bool | None = None) -> ParallelModule | PipelinedModule:
     """Plan (or reuse `plan`), rewrite and return a module that trains on this rank of the job.
 
@@ -95,14 +100,16 @@ def autoparallelize(model: nn.Module, example_inputs, *, mesh: Mesh | tuple | No
     if device_type() == "cpu":
         keep_freed_memory()  # else glibc page-faults every step's activations in again (runtime/cpu_memory.py)
     mesh = _world_mesh(mesh, world, plan)
-    if num_stages == "auto":  # search the layout; the plan brings its mesh, micro-batches and schedule
-        if plan is None:
-            plan = broadcast_plan(lambda: _search(
-                model, example_inputs, mesh=mesh, memory_budget=memory_budget, optimizer=optimizer, loss_fn=loss_fn,
-                time_limit=time_limit, baselines=baselines is not False, example_kwargs=example_kwargs,
-                mixed_precision=mixed_precision, recompute=recompute, num_microbatches=num_microbatches,
-                schedule=schedule, virtual_stages=virtual_stages))
+    if plan is not None and num_stages == "auto":
+        num_stages = None   # the plan brings its stages (or none)
+    if _searches(num_stages, strategy, mesh):  # search the layout; the plan brings its mesh, micro-batches, schedule
+        plan = broadcast_plan(lambda: _search(
+            model, example_inputs, mesh=mesh, memory_budget=memory_budget, optimizer=optimizer, loss_fn=loss_fn,
+            time_limit=time_limit, baselines=baselines is not False, example_kwargs=example_kwargs,
+            mixed_precision=mixed_precision, recompute=recompute, num_microbatches=num_microbatches,
+            schedule=schedule, virtual_stages=virtual_stages, search=search))
         mesh, num_stages, num_microbatches, schedule = plan.mesh, None, None, None
+        recompute = None if plan.stages and not plan.recompute else recompute
     if _stage_count(num_stages) > 1 or "pp" in mesh.axis_names or (plan is not None and bool(plan.stages)):
         return parallelize_pipelined(
             model, example_inputs, mesh=mesh, plan=plan, num_stages=num_stages, num_microbatches=num_microbatches,
@@ -124,28 +131,40 @@ def scaling(model: nn.Module, example_inputs, *, devices: Sequence[int] = (1, 2,
     """Plan `model` on each device count of `devices` (strong scaling: the batch of `example_inputs`
     is split among them) on `hardware` (a preset name or a HardwareSpec), and say where adding
     devices stops paying: the first count whose efficiency falls below `threshold` or whose
-    throughput does not rise (`autopar.planning.scaling`). `.rows`, `.stop_at`, `.reason`, `.plot()`."""
+    throughput does not rise (`autopar.planning.scaling`). Each count is planned by the layout search
+    (`plan`'s default: SPMD plans and, where the devices as one axis do not fit, pipelines), from one
+    capture. `.rows`, `.stop_at`, `.reason`, `.plot()`."""
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+
+    def search(captured, mesh: Mesh, budget) -> Plan:
+        return plan_auto(model, inputs, mesh=mesh, memory_budget=budget, optimizer=optimizer, loss_fn=loss_fn,
+                         time_limit=time_limit, baselines=False, captured=captured)
     return plan_scaling(model, example_inputs, devices=devices, hardware=hardware, memory_budget=memory_budget,
                         threshold=threshold, devices_per_node=devices_per_node, optimizer=optimizer,
-                        loss_fn=loss_fn, time_limit=time_limit)
+                        loss_fn=loss_fn, time_limit=time_limit, planner=search)
 
 
 # ---------------------------------------------------------------- option checks
+def _searches(num_stages, strategy, mesh: Mesh) -> bool:
+    """The layout search runs for num_stages="auto" with strategy "auto" on a mesh without a "pp" axis
+    (a forced recipe, a "pp" axis or a stage count plan as told)."""
+    return num_stages == "auto" and strategy == "auto" and "pp" not in mesh.axis_names
+
+
 def _search(model, example_inputs, *, mesh: Mesh, memory_budget, optimizer, loss_fn, time_limit, baselines,
-            example_kwargs, mixed_precision, recompute, num_microbatches, schedule, virtual_stages) -> Plan:
-    if mixed_precision is not None or recompute not in (None, "none") or example_kwargs:
-        raise InputError("num_stages='auto' does not combine with mixed_precision, recompute or "
-                         "example_kwargs yet; pass num_stages=p to force a pipeline")
+            example_kwargs, mixed_precision, recompute, num_microbatches, schedule, virtual_stages,
+            search: str = "fast") -> Plan:
     if virtual_stages is not None:
         raise InputError("virtual_stages applies to a forced pipeline (num_stages=p); with num_stages='auto' "
                          "the search prices interleaved 1F1B with its own chunk count")
-    return plan_searched(model, example_inputs, mesh=mesh, memory_budget=memory_budget, optimizer=optimizer,
-                         loss_fn=loss_fn, time_limit=time_limit, baselines=baselines,
-                         num_microbatches=num_microbatches, schedule=schedule)
+    return plan_auto(model, example_inputs, mesh=mesh, memory_budget=memory_budget, optimizer=optimizer,
+                     loss_fn=loss_fn, time_limit=time_limit, example_kwargs=example_kwargs, baselines=baselines,
+                     mixed_precision=mixed_precision, recompute=recompute, num_microbatches=num_microbatches,
+                     schedule=schedule, search=search)
 
 
 def _stage_count(num_stages) -> int:
-    if num_stages is None:
+    if num_stages is None or num_stages == "auto":   # "auto" with a forced recipe: no stages
         return 1
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise InputError(f"num_stages={num_stages!r}: pass a number of pipeline stages (>= 1) or 'auto'")

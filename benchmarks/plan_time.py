@@ -4,8 +4,12 @@
     python benchmarks/plan_time.py --case gpt2-8   # one case in this process
     python benchmarks/plan_time.py --profile llama3-8b-64   # cProfile, top 30 by cumulative time
 
-Prints capture / canonicalize / strategies+costs / baselines / solve / total seconds (plan.timings)
-and peak RSS (ru_maxrss of the case's own process). Targets: Llama-3-8B on 64 devices < 20 s; Llama-3-70B on 512 devices < 60 s, peak RSS < 8 GB.
+Prints capture / canonicalize / strategies+costs / baselines / solve / search / total seconds
+(plan.timings) and peak RSS (ru_maxrss of the case's own process). Every case is the default call
+(`autopar.plan(model, inputs, mesh=Mesh((N // 8, 8)), memory_budget="80GB")`, the layout search
+included); the "-bf16" cases add mixed_precision="bf16" (issue 27's targets: Llama-3-8B (batch 64 x 4096)
+on 64 < 15 s; Llama-3-70B (32 x 4096) on 64 < 30 s and on 512 < 60 s; Llama-3.1-405B (2048 x 8192)
+on 2048 < 180 s; peak RSS < 8 GB).
 """
 from __future__ import annotations
 
@@ -16,8 +20,9 @@ import subprocess
 import sys
 import warnings
 
-PHASES = ("capture", "canonicalize", "strategies+costs", "baselines", "solve", "total")
-CASES = ("gpt2-8", "gpt2-64", "llama3-8b-8", "llama3-8b-64", "llama3-70b-512", "llama3-405b-512")
+PHASES = ("capture", "canonicalize", "strategies+costs", "baselines", "solve", "search", "total")
+CASES = ("gpt2-8", "gpt2-64", "llama3-8b-8", "llama3-8b-64", "llama3-70b-512", "llama3-405b-512",
+         "llama3-8b-bf16-64", "llama3-70b-bf16-64", "llama3-70b-bf16-512", "llama3-405b-bf16-2048")
 
 
 def _mesh(devices: int):
@@ -31,16 +36,26 @@ def run_case(name: str) -> dict:
     import autopar
     from autopar._testing import models
     model_name, devices = name.rsplit("-", 1)
+    bf16 = model_name.endswith("-bf16")
+    model_name = model_name.removesuffix("-bf16")
     builders = {"gpt2": models.meta_gpt2_124m, "llama3-8b": models.meta_llama3_8b,
                 "llama3-70b": lambda: models.meta_llama3_70b(batch=64, seq=4096),
                 "llama3-405b": lambda: models.meta_llama3_405b(batch=16, seq=4096)}
+    if bf16:   # issue 27's shapes
+        builders.update({"llama3-8b": lambda: models.meta_llama3_8b(batch=64, seq=4096),
+                         "llama3-70b": lambda: models.meta_llama3_70b(batch=32, seq=4096),
+                         "llama3-405b": lambda: models.meta_llama3_405b(batch=2048, seq=8192)})
     case = builders[model_name]()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = autopar.plan(case.model, case.example_inputs, mesh=_mesh(int(devices)), memory_budget="80GB")
+        plan = autopar.plan(case.model, case.example_inputs, mesh=_mesh(int(devices)), memory_budget="80GB",
+                            mixed_precision="bf16" if bf16 else None)
+    search = plan.solver.get("search", {})
     return {"case": name, **plan.timings, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "step_ms": plan.predicted_step_time * 1e3, "mem_gb": plan.memory_per_device / 1e9,
-            "solver": plan.solver.get("status", "")}
+            "solver": plan.solver.get("status", ""), "mesh": str(tuple(plan.mesh.shape)),
+            "layout": "x".join(f"{a}{n}" for a, n in zip(plan.mesh.axis_names, plan.mesh.shape)),
+            "mfu": plan.predicted_mfu, "priced": search.get("priced", 0), "unexplored": search.get("unexplored", 0)}
 
 
 def main() -> None:
@@ -57,15 +72,17 @@ def main() -> None:
     if args.case:
         print(json.dumps(run_case(args.case)))
         return
-    print(f"{'case':<14}" + "".join(f"{p:>17}" for p in PHASES) + f"{'peak RSS MB':>13}{'step ms':>9}{'GB/dev':>8}")
+    print(f"{'case':<22}" + "".join(f"{p:>17}" for p in PHASES) + f"{'peak RSS MB':>13}{'step ms':>9}{'GB/dev':>8}"
+          f"{'MFU':>7}  layout (pipelines priced / left)")
     for name in CASES:
         out = subprocess.run([sys.executable, __file__, "--case", name], capture_output=True, text=True)
         if out.returncode != 0:
-            print(f"{name:<14} failed: {out.stderr.strip().splitlines()[-1:]}")
+            print(f"{name:<22} failed: {out.stderr.strip().splitlines()[-1:]}")
             continue
         row = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"{name:<14}" + "".join(f"{row.get(p, 0.0):>17.2f}" for p in PHASES)
-              + f"{row['rss_mb']:>13.0f}{row['step_ms']:>9.2f}{row['mem_gb']:>8.2f}")
+        print(f"{name:<22}" + "".join(f"{row.get(p, 0.0):>17.2f}" for p in PHASES)
+              + f"{row['rss_mb']:>13.0f}{row['step_ms']:>9.2f}{row['mem_gb']:>8.2f}{row['mfu'] or 0.0:>7.1%}"
+              f"  {row['layout']} ({row['priced']} / {row['unexplored']})", flush=True)
 
 
 if __name__ == "__main__":

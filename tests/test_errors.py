@@ -42,7 +42,7 @@ CASES = {
                              r"no plan fits the memory budget .*the smallest plan needs"),
     "unknown hardware preset": (lambda m, ids: autopar.Mesh((2,), hardware="tpu9"), HardwareError,
                                 r"unknown hardware 'tpu9': use a preset name \(cpu, a100, h100, h200\)"),
-    "schedule without stages": (lambda m, ids: _plan(m, (ids, ids), schedule="gpipe"), InputError,
+    "schedule without stages": (lambda m, ids: _plan(m, (ids, ids), schedule="gpipe", num_stages=None), InputError,
                                 r"schedule='gpipe' applies to pipelined plans only: pass num_stages=2"),
 }
 

@@ -315,14 +315,16 @@ def _check_deferred_reductions(plan, ranks, label):
 
 def test_num_stages_auto_searches_layouts_and_trains_like_one_process():
     """num_stages="auto": rank 0 searches pp x dp x tp layouts (runnable schedules only), every rank
-    runs the chosen plan on the plan's own mesh; the runners-up are kept in the plan's baselines."""
+    runs the chosen plan on the plan's own mesh; the runners-up are kept in the plan's baselines.
+    search="exact": pipelines are priced even though an SPMD plan fits (by default they are not)."""
     case = models.tiny_gpt(batch=4, seq=16)
-    searched = autopar.plan(case.model, case.example_inputs, mesh=autopar.Mesh((2,)), num_stages="auto")
-    spmd = autopar.plan(case.model, case.example_inputs, mesh=autopar.Mesh((2,)), baselines=False)
+    searched = autopar.plan(case.model, case.example_inputs, mesh=autopar.Mesh((2,)), num_stages="auto",
+                            search="exact")
+    spmd = autopar.plan(case.model, case.example_inputs, mesh=autopar.Mesh((2,)), baselines=False, num_stages=None)
     assert searched.predicted_step_time <= spmd.predicted_step_time * (1 + 1e-9)
     assert any(name.startswith("pp2") for name in searched.baselines), searched.baselines   # pp=2 was priced
     batches = models.zoo_batches(case, STEPS)
-    kws = [dict(num_stages="auto")]
+    kws = [dict(num_stages="auto", search="exact")]
     results = run_distributed(train_pipelined, 2, case.model, batches, STEPS, kws, timeout=600)
     ref_losses, ref_state = train_reference(case.model, batches, STEPS)
     for rank in range(2):

@@ -23,7 +23,8 @@ found no split where ZeRO-3 x TP did.
 Branch and bound (`branch_and_bound`) keeps the search exact while skipping SPMD solves: a candidate
 is priced only if a lower bound of its step time is within the k-th fastest found so far. The bounds
 hold for every plan of the cost model: no op or parameter on k devices costs less than 1/k of its
-one-device time (roofline on local FLOPs and bytes, both >= 1/k), edges cost >= 0, and the
+one-device time (roofline on local FLOPs and bytes, both >= 1/k) nor less than its launch overhead
+(`search.Profiler.seconds_bound`), edges cost >= 0, and the
 schedules' step time is >= f * S + P / pp for S the per-micro-batch seconds, P the per-step seconds,
 f = 1/v + (m - 1/v) / pp (`stages.step_lower_bound`); the second bound also charges the resharding of
 a spanning forest of the cost graph (`autopar.planning.forest_bound`).
@@ -72,23 +73,26 @@ class Candidate:
                 "bubble": float(self.split.bubble_fraction) if self.split else None, "reason": self.reason}
 
 
-def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int) -> list[Candidate]:
+def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int,
+                     incumbent: float = float("inf")) -> list[Candidate]:
     """Price `jobs` best-first by a lower bound of their step time, skipping every candidate whose
     bound exceeds the `keep`-th fastest feasible time found so far: it cannot be among the `keep`
     fastest, so the search's best (and its keep - 1 runners-up) are those of pricing every job.
     Two bounds, cheap first: `stages.step_lower_bound` of the one-device seconds of the micro-batch
     size (no CostProblem needed; it orders the (micro-batch size, dp, tp) groups, whose memory rows are
     solved together while their CostProblem is kept), then the spanning-forest relaxation of the
-    group's CostProblem (`Profiler.forest_bound`, which adds the communication a forest must pay)."""
+    group's CostProblem (`Profiler.forest_bound`, which adds the communication a forest must pay).
+    `incumbent`: the step time of a plan found outside `jobs` (the default search's SPMD plan): no
+    candidate whose bound exceeds it is priced."""
     groups: dict[tuple, list[tuple]] = {}
     for pp, dp, tp, m, names in jobs:
-        ops, step = prof.one_device_seconds(m)
+        ops, step = prof.seconds_bound(m, dp * tp)
         for s in names:
-            bound = step_lower_bound(ops / (dp * tp), step / (dp * tp), pp, m, s, INTERLEAVE)
+            bound = step_lower_bound(ops, step, pp, m, s, INTERLEAVE)
             groups.setdefault((m, *prof._inner(dp, tp, strategy)), []).append((bound, pp, dp, tp, m, s))
     found: list[Candidate] = []
     fastest: list[float] = []
-    cutoff = float("inf")
+    cutoff = incumbent
     for group in sorted(groups.values(), key=lambda g: min(g)[0]):   # stable: enumeration order on ties
         if min(group)[0] > cutoff:
             break  # every later group's least bound is larger still
@@ -96,14 +100,15 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int) -> list[
         # 2-D one (auto on a dp x tp sub-mesh); 1-D and forced-recipe groups solve by the DP in a blink
         forest = strategy is None and min(group[0][2], group[0][3]) > 1
         for bound, pp, dp, tp, m, s in group:
-            if bound > cutoff or (forest and cutoff < float("inf") and
-                                  prof.forest_bound(m, dp, tp, strategy, pp, s) > cutoff):
+            if bound > cutoff:
+                continue
+            if forest and cutoff < float("inf") and prof.forest_bound(m, dp, tp, strategy, pp, s) > cutoff:
                 continue
             new = price(prof, pp, dp, tp, m, (s,), budget, strategy)
             found += new
             fastest = sorted(fastest + [c.step_time for c in new if c.feasible])[:keep]
             # the bound is a sum of the same terms in another order: allow for float rounding
-            cutoff = fastest[-1] * (1 + 1e-9) if len(fastest) == keep else float("inf")
+            cutoff = min(incumbent, fastest[-1] * (1 + 1e-9) if len(fastest) == keep else float("inf"))
     return found
 
 

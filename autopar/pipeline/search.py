@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from autopar import _torch_compat as compat
+from autopar.capture import precision
 from autopar.capture.canonicalize import canonicalize
 from autopar.capture.trace import capture
 from autopar.costmodel.memory import format_bytes, optimizer_state_bytes_per_param, parse_bytes
@@ -79,9 +80,10 @@ class SearchResult:
                 for c in self.candidates[:k]}
 
 
-def split_inputs(example_inputs, m: int):
-    """The first of m micro-batches: every tensor whose dim 0 is the batch, sliced along dim 0."""
-    batch = batch_size(example_inputs)
+def split_inputs(example_inputs, m: int, batch: int | None = None):
+    """The first of m micro-batches: every tensor whose dim 0 is the batch (that of the first tensor
+    unless given), sliced along dim 0."""
+    batch = batch_size(example_inputs) if batch is None else batch
     if batch % m:
         raise InputError(f"{m} micro-batches do not divide the batch of {batch}")
 
@@ -116,8 +118,9 @@ class Profiler:
     """Captures (per micro-batch size) and unit profiles (per size, dp, tp, memory row), cached."""
 
     def __init__(self, model, example_inputs, hardware, devices_per_node: int, optimizer: str = "adamw",
-                 loss_fn=None, time_limit: float | None = None):
+                 loss_fn=None, time_limit: float | None = None, mixed_precision=None, example_kwargs=None):
         self.model, self.inputs, self.loss_fn = model, example_inputs, loss_fn
+        self.policy, self.kwargs = precision.as_policy(mixed_precision), example_kwargs or {}
         self.hardware, self.dpn, self.optimizer, self.time_limit = hardware, devices_per_node, optimizer, time_limit
         self.captures: dict[int, tuple] = {}
         self.profiles: dict[tuple, tuple[LayerCost, ...] | InfeasiblePlanError] = {}
@@ -126,12 +129,16 @@ class Profiler:
         self.forests: dict = {}                             # the spanning forest of the last CostProblem bounded
         self.reshards: dict[tuple, ReshardCost] = {}        # layout pricing per sub-mesh, shared by every build
         self.weighted: dict[tuple, tuple] = {}              # (CostProblem key, weight) -> (CostProblem, CostGraph, cache)
+        self.solutions: dict[tuple, object] = {}            # layers()'s key -> the solver's Solution (plans build from it)
 
     def captured(self, m: int):
         if m not in self.captures:
-            inputs = split_inputs(self.inputs, m)
+            inputs, kwargs = split_inputs(self.inputs, m, batch_size(self.inputs)), {}
+            if self.kwargs:
+                kwargs = split_inputs((self.kwargs,), m, batch_size(self.inputs))[0]
             with compat.lazy_recompile():   # the graph is costed, not run: no code generation per rewrite
-                cap = capture(self.model, inputs, loss_fn=self.loss_fn, stamp_layers=True)
+                cap = capture(self.model, inputs, example_kwargs=kwargs or None, loss_fn=self.loss_fn,
+                              stamp_layers=True, mixed_precision=self.policy)
                 canonicalize(cap.gm)
             self.captures[m] = (cap, inputs)
         return self.captures[m]
@@ -189,12 +196,20 @@ class Profiler:
                     sol = solve(cg, dedup_layers=bool(cg.layer_groups), cache=cache,
                                 time_limit=self.time_limit, mip_gap=SEARCH_GAP)
                 self.profiles[key] = tuple(layer_costs(prob, sol.choice, cap))
+                self.solutions[key] = sol
             except InfeasiblePlanError as e:
                 self.profiles[key] = e
         found = self.profiles[key]
         if isinstance(found, InfeasiblePlanError):
             raise found
         return found
+
+    def solution(self, m: int, dp: int, tp: int, budget: float | None, strategy=None, act_weight: float = 1.0):
+        """The solver's Solution behind `layers(...)` with the same arguments (solved there if not yet):
+        a plan built from it is the plan the search priced."""
+        self.layers(m, dp, tp, budget, strategy, act_weight)
+        act_weight = act_weight if budget is not None else 1.0
+        return self.solutions[(m, *self._inner(dp, tp, strategy), budget, act_weight)]
 
     def _weighted(self, prob, key: tuple, w: float):
         """(cost graph, solver cache) of `prob` with each node's activation bytes counted w times (the
@@ -229,22 +244,35 @@ class Profiler:
         return forest_lower_bound(prob.cg, nodes, edges, self.forests["forest"])
 
     def one_device_seconds(self, m: int) -> tuple[float, float]:
-        """(per micro-batch, per step) seconds of the micro-batch graph on one device: its ops and
-        its parameters' optimizer steps. On k devices no op or parameter costs less than 1/k of
-        this (`step_lower_bound`), so these bound every layout of this micro-batch size from below."""
-        if m not in self.floors:
-            cap, _ = self.captured(m)
-            prob = self._builder(cap, Mesh((1,), ("dp",), self.hardware, self.dpn)).build()
-            seconds = [float(np.min(c + lc)) for c, lc in zip(prob.compute, prob.local_comm)]
-            step = sum(t for t, n in zip(seconds, prob.nodes) if n.op == "placeholder")
-            self.floors[m] = (sum(seconds) - step, step, len(set(unit_names(prob)[1])))
-        return self.floors[m][:2]
+        """(per micro-batch, per step) seconds on one device bounding every layout of m micro-batches
+        (`seconds_bound` on one device)."""
+        return self.seconds_bound(m, 1)
 
-    def num_units(self, m: int) -> int:
-        """How many units (`layer_costs`) the micro-batch graph has: the same for every micro-batch
+    def seconds_bound(self, m: int, k: int) -> tuple[float, float]:
+        """(per micro-batch, per step) seconds that no plan of m micro-batches on k devices per stage
+        beats, summed over the stages: each op costs at least max(t / (m k), c) for t its seconds on one
+        device with the whole batch and c its per-launch part (`hw.op_overhead`; `param_step_overhead` for a
+        parameter's step: every rank pays it whatever the sharding): its roofline term max(F / (eta P), M / W, E / T) grows at most linearly
+        with the batch and falls at most k-fold on k devices. Per step, each parameter's optimizer
+        update likewise costs at least max(t / k, c). One capture, the whole batch's, serves every m."""
+        if 1 not in self.floors:
+            cap, _ = self.captured(1)
+            prob = self._builder(cap, Mesh((1,), ("dp",), self.hardware, self.dpn)).build()
+            seconds = np.array([float(np.min(c + lc)) for c, lc in zip(prob.compute, prob.local_comm)])
+            param = np.array([n.op == "placeholder" for n in prob.nodes], dtype=bool)
+            hw = prob.mesh.hardware   # a parameter's step pays param_step_overhead, an op op_overhead
+            launch = np.minimum(seconds, np.where(param, hw.param_step_overhead, hw.op_overhead))
+            self.floors[1] = (seconds, launch, param, len(set(unit_names(prob)[1])))
+        seconds, launch, param, _ = self.floors[1]
+        per = np.maximum(seconds / (m * k), launch)
+        once = np.maximum(seconds / k, launch)
+        return float(per[~param].sum()), float(once[param].sum())
+
+    def num_units(self, m: int = 1) -> int:
+        """How many units (`layer_costs`) the model's graph has: the same for every micro-batch
         size and sub-mesh (the units are the model's modules)."""
-        self.one_device_seconds(m)
-        return self.floors[m][2]
+        self.one_device_seconds(1)
+        return self.floors[1][3]
 
 
 def search(model, example_inputs, *, mesh: Mesh, memory_budget=None, schedules=DEFAULT_SCHEDULES,
@@ -268,23 +296,7 @@ def search(model, example_inputs, *, mesh: Mesh, memory_budget=None, schedules=D
     prof = profiler or Profiler(model, example_inputs, mesh.hardware, mesh.devices_per_node, optimizer, loss_fn,
                                 time_limit)
     batch = batch_size(example_inputs)
-    stages_wanted = [num_stages] if isinstance(num_stages, int) else num_stages
-    jobs = []   # (pp, dp, tp, m, schedules) in enumeration order
-    seen = set()
-    for pp, dp, tp in mesh_factorizations(mesh.size, mesh.devices_per_node):
-        # a 1-D sub-mesh is the same whichever name it carries (auto splits what it likes): price it once
-        inner = (pp, dp * tp) if min(dp, tp) == 1 and strategy is None else (pp, dp, tp)
-        if (stages_wanted and pp not in stages_wanted) or (meshes and (pp, dp, tp) not in meshes) or inner in seen:
-            continue
-        seen.add(inner)
-        for m in microbatch_counts(batch, pp, dp, num_microbatches):
-            if pp == 1 and m > 1 and not accumulate:
-                continue
-            names = schedules if pp > 1 else ("1f1b",)   # one stage: every schedule is accumulation
-            jobs.append((pp, dp, tp, m, tuple(names)))
-    if jobs:   # a stage holds whole units: `price` finds no split into more stages than units
-        units = prof.num_units(jobs[0][3])
-        jobs = [job for job in jobs if job[0] <= units]
+    jobs = candidate_jobs(prof, mesh, batch, schedules, num_microbatches, num_stages, meshes, strategy, accumulate)
     found = branch_and_bound(prof, jobs, budget, strategy, exact_top) if prune else \
         [c for job in jobs for c in price(prof, *job, budget, strategy)]
     if not found:
@@ -305,6 +317,30 @@ def search(model, example_inputs, *, mesh: Mesh, memory_budget=None, schedules=D
     return SearchResult(best, tuple(found), full, sub,
                         prof.layers(best.num_microbatches, best.dp, best.tp, best.inner_budget, strategy,
                                     best.inner_weight), cap, inputs)
+
+
+def candidate_jobs(prof: Profiler, mesh: Mesh, batch: int, schedules, num_microbatches=None, num_stages=None,
+                   meshes=None, strategy=None, accumulate: bool = True) -> list[tuple]:
+    """(pp, dp, tp, m, schedules) to price for `mesh.size` devices, in enumeration order (`search`'s
+    restrictions); no more stages than the model has units."""
+    stages_wanted = [num_stages] if isinstance(num_stages, int) else num_stages
+    jobs = []
+    seen = set()
+    for pp, dp, tp in mesh_factorizations(mesh.size, mesh.devices_per_node):
+        # a 1-D sub-mesh is the same whichever name it carries (auto splits what it likes): price it once
+        inner = (pp, dp * tp) if min(dp, tp) == 1 and strategy is None else (pp, dp, tp)
+        if (stages_wanted and pp not in stages_wanted) or (meshes and (pp, dp, tp) not in meshes) or inner in seen:
+            continue
+        seen.add(inner)
+        for m in microbatch_counts(batch, pp, dp, num_microbatches):
+            if pp == 1 and m > 1 and not accumulate:
+                continue
+            names = schedules if pp > 1 else ("1f1b",)   # one stage: every schedule is accumulation
+            jobs.append((pp, dp, tp, m, tuple(names)))
+    if jobs:   # a stage holds whole units: `price` finds no split into more stages than units
+        units = prof.num_units()
+        jobs = [job for job in jobs if job[0] <= units]
+    return jobs
 
 
 def state_floor(model, world: int, optimizer: str = "adamw") -> float:

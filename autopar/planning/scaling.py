@@ -133,8 +133,11 @@ def default_mesh_shape(devices: int, hw: HardwareSpec, devices_per_node: int | N
 
 def plan_scaling(model, example_inputs, *, devices: Sequence[int] = (1, 2, 4, 8), hardware="cpu",
             memory_budget=None, threshold: float = 0.5, devices_per_node: int | None = None,
-            optimizer: str = "adamw", loss_fn=None, time_limit: float | None = None) -> ScalingReport:
-    """Plan `model` on each device count and find where scaling stops paying (see the module doc)."""
+            optimizer: str = "adamw", loss_fn=None, time_limit: float | None = None,
+            planner=None) -> ScalingReport:
+    """Plan `model` on each device count and find where scaling stops paying (see the module doc).
+    `planner(captured, mesh, budget) -> Plan` plans one count (autopar.scaling passes the layout
+    search, `autopar.pipeline.auto`); default: the SPMD planner on the count's mesh."""
     counts = _check_devices(devices)
     if not 0 < threshold <= 1:
         raise InputError(f"threshold must be in (0, 1], got {threshold!r}")
@@ -147,6 +150,8 @@ def plan_scaling(model, example_inputs, *, devices: Sequence[int] = (1, 2, 4, 8)
     def plan_on(n: int, budget_bytes):
         mesh = Mesh(default_mesh_shape(n, hw, devices_per_node), hardware=hw,
                     devices_per_node=devices_per_node)
+        if planner is not None:
+            return planner(captured, mesh, budget_bytes)
         return plan_captured(captured, model, inputs, mesh=mesh, memory_budget=budget_bytes,
                              optimizer=optimizer, time_limit=time_limit, baselines=False)
 

@@ -1,0 +1,184 @@
+"""The default layout search (`autopar.plan` without `num_stages`): SPMD plans and every pipeline that could beat them.
+
+One capture of the whole batch (under the mixed-precision policy, with `example_kwargs`), then:
+  1. pp = 1: the SPMD plan on the caller's mesh, exactly `autopar.planning.spmd.plan_captured`
+     (recompute decided by the solver, the textbook recipes as its baselines); on a mesh of several
+     axes also the SPMD plan on its 1-D flattening (the same devices, hardware and devices per node),
+     so that every layout `Mesh((N,))` plans is a candidate of `Mesh((N // k, k))` too, priced with
+     the same links: the 2-D plan is never slower than the 1-D one, and never infeasible where it fits.
+  2. pp >= 2: the pipeline candidates of `autopar.pipeline.search` (pp x dp x tp with tp inside a
+     node, micro-batch counts, the runtime's schedules), by branch and bound with the fastest SPMD
+     plan's step as the incumbent: a candidate is priced (its micro-batch graph captured, its stage
+     SPMD problem solved) only if a lower bound of its step is below the best found so far. The bound
+     needs no further capture (`Profiler.one_device_seconds`: the whole batch's one-device seconds
+     over m), so a model that SPMD already serves at near-linear scaling costs nothing more.
+     With search="fast" (the default) pipelines are searched only when the SPMD plan of the
+     devices as one axis does not fit, or its step exceeds FAST_RATIO times the least lower bound of a
+     pipeline's step (SPMD is far from the work's own time: a pipeline may win by a wide margin). The
+     rule reads the 1-D plan and the device count only, so Mesh((N,)) and Mesh((N // k, k)) search
+     the same pipelines, and the same inputs give the same plan; search="exact" always searches them. `plan.solver["search"]` says which ran.
+  3. The fastest feasible candidate is the plan. A pipelined one is built from the very solution the
+     search priced (`Profiler.solution`, `stages.partition`'s split): its predicted step and memory
+     are the search's.
+When nothing fits, InfeasiblePlanError.min_memory_per_device is a lower bound over the whole space:
+the least of the SPMD solver's bound (with recompute) and, for pipelines, the model's state sharded
+over every device (no split of any stage count holds less). The message also names the least
+memory a candidate needed.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from autopar.capture import precision
+from autopar.capture.canonicalize import canonicalize
+from autopar.capture.trace import capture
+from autopar.costmodel.memory import format_bytes, parse_bytes
+from autopar.debug import PhaseTimer, log
+from autopar.errors import InfeasiblePlanError, InputError
+from autopar.mesh import Mesh
+from autopar.pipeline import planning as pipelined
+from autopar.pipeline.candidates import Candidate, branch_and_bound
+from autopar.pipeline.layer_profile import layer_costs
+from autopar.pipeline.search import Profiler, batch_size, candidate_jobs, state_floor
+from autopar.pipeline.stages import INTERLEAVE, step_lower_bound
+from autopar.plan import Plan
+from autopar.planning import spmd
+from autopar.sharding import recipes
+
+SEARCHES = ("fast", "exact")
+FAST_RATIO = 4.0   # search="fast" searches pipelines when the 1-D SPMD step exceeds this times their least bound
+
+
+def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimizer: str = "adamw", loss_fn=None,
+              time_limit=None, example_kwargs=None, baselines: bool = True, mixed_precision=None, recompute=None,
+              num_microbatches=None, schedule=None, pipelines: bool = True, search: str = "fast", captured=None) -> Plan:
+    """`autopar.plan`'s default: the fastest of the SPMD plans and the pipelined layouts (module docstring).
+    `captured`: the whole batch's graph, already captured and canonicalized (autopar.scaling plans one
+    capture on many meshes). `pipelines=False` prices the SPMD candidates only. `search`: "fast" (pipelines are searched when
+    the SPMD plan of the devices as one axis does not fit) or "exact" (always)."""
+    budget = parse_bytes(memory_budget) if memory_budget is not None else None
+    if search not in SEARCHES:
+        raise InputError(f"search={search!r}: pass one of {SEARCHES}")
+    if schedule is not None and schedule not in pipelined.SCHEDULES:
+        raise InputError(f"unknown pipeline schedule {schedule!r}; valid: {pipelined.SCHEDULES}")
+    floor = state_floor(model, mesh.size, optimizer)
+    if budget is not None and floor > budget:   # before any capture: no layout of mesh.size devices holds less
+        raise InfeasiblePlanError(
+            f"no plan fits the memory budget ({format_bytes(budget)} per device) on {mesh.size} devices: the model's "
+            f"parameters, gradients and {optimizer} state need {format_bytes(floor)} per device even sharded over "
+            f"all of them, so the smallest plan needs {format_bytes(floor)} or more: raise memory_budget or use "
+            f"more devices", min_memory_per_device=floor, budget=budget)
+    policy = precision.as_policy(mixed_precision)
+    timer = PhaseTimer()
+    if captured is None:
+        with timer("capture"):
+            captured = capture(model, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
+                               mixed_precision=policy)
+        with timer("canonicalize"):
+            canonicalize(captured.gm)
+    prof = Profiler(model, example_inputs, mesh.hardware, mesh.devices_per_node, optimizer, loss_fn, time_limit,
+                    policy, example_kwargs)
+    prof.captures[1] = (captured, tuple(example_inputs))   # the whole batch: the bounds' graph
+    pipelines = pipelines and mesh.size > 1 and recompute in (None, "auto", "none") and _splits_batch(example_inputs)
+    plans, floors, flat = [], [], None
+    for k, spmd_mesh in enumerate(_spmd_meshes(mesh)):
+        phases = PhaseTimer()
+        try:
+            got = spmd.plan_captured(captured, model, example_inputs, mesh=spmd_mesh, memory_budget=memory_budget,
+                                     optimizer=optimizer, time_limit=time_limit, baselines=baselines and k == 0,
+                                     timer=phases, recompute=recompute)
+            plans.append(got)
+            flat = got if got.feasible and spmd_mesh.ndim == 1 else flat
+        except InfeasiblePlanError as e:
+            floors.append(e)
+        for name, seconds in phases.items():
+            if name != "total":
+                timer[name] = timer.get(name, 0.0) + seconds
+    fits = [p for p in plans if p.feasible]
+    best = min(fits, key=lambda p: p.predicted_step_time, default=None)
+    incumbent = best.predicted_step_time if best is not None else float("inf")
+    found: list[Candidate] = []
+    jobs: list[tuple] = []
+    explored = False
+    if pipelines:
+        schedules = (schedule,) if schedule else pipelined.SCHEDULES
+        jobs = candidate_jobs(prof, mesh, batch_size(example_inputs), schedules, num_microbatches,
+                              list(range(2, mesh.size + 1)), accumulate=False)
+        with timer("search"):   # the bounds' one-device problem of the whole batch
+            explored = search == "exact" or flat is None or flat.predicted_step_time > FAST_RATIO * min(
+                (step_lower_bound(*prof.seconds_bound(m, dp * tp), pp, m, s, INTERLEAVE)
+                 for pp, dp, tp, m, names in jobs for s in names), default=float("inf"))
+        if explored:
+            with timer("search"):
+                found = branch_and_bound(prof, jobs, budget, None, keep=1, incumbent=incumbent)
+            log(1, f"layout search: {sum(len(j[4]) for j in jobs)} pipeline candidates, {len(found)} priced "
+                   f"(incumbent {incumbent:.4g} s)")
+    piped = min((c for c in found if c.feasible), key=lambda c: c.step_time, default=None)
+    if piped is not None and piped.step_time < incumbent:
+        with timer("stages"):
+            best = pipelined_plan(prof, piped, model, budget, timer)
+    if best is None:
+        raise _infeasible(model, mesh, budget, optimizer, plans, floors, found, pipelines)
+    timer["total"] = sum(v for k, v in timer.items() if k != "total")
+    table = dict(best.baselines)
+    for p in plans:
+        if p is not best and p.feasible:
+            table[f"spmd {p.mesh.shape}"] = {"feasible": True, "time": p.predicted_step_time,
+                                              "memory": p.memory_per_device, "reason": ""}
+    runner_up = piped if best.stages == () else min(
+        (c for c in found if c.feasible and c is not piped), key=lambda c: c.step_time, default=None)
+    if runner_up is not None:   # the best pipeline that lost (or the runner-up of the one that won)
+        table[_label(runner_up)] = {"feasible": True, "time": runner_up.step_time,
+                                    "memory": runner_up.memory_per_device, "reason": ""}
+    stats = {"pipeline_candidates": sum(len(j[4]) for j in jobs), "priced": len(found),
+             "pipelines_searched": bool(jobs) and explored}
+    return dataclasses.replace(best, baselines=table if baselines else best.baselines, timings=dict(timer),
+                               solver={**best.solver, "search": stats})
+
+
+def pipelined_plan(prof: Profiler, best: Candidate, model, budget, timer) -> Plan:
+    """The pipelined Plan of a priced candidate, from the solution and split the search priced."""
+    m, sub = best.num_microbatches, prof.sub_mesh(best.dp, best.tp)
+    cap, inputs = prof.captured(m)
+    prob = prof.problem(m, best.dp, best.tp)
+    sol = prof.solution(m, best.dp, best.tp, best.inner_budget, None, best.inner_weight)
+    wanted = recipes.normalize("auto", sub)
+    one_stage = spmd.assemble_plan(prob, cap, sub, "auto", wanted, None, sol, "", {}, timer, model, inputs)
+    layers = layer_costs(prob, sol.choice, cap)
+    full = Mesh((best.pp, *sub.shape), ("pp", *sub.axis_names), prof.hardware, prof.dpn)
+    v = INTERLEAVE if best.schedule == "interleaved_1f1b" else 1
+    return pipelined.widen(one_stage, full, layers, best.split, m, best.schedule, budget, cap, v)
+
+
+def _spmd_meshes(mesh: Mesh) -> list[Mesh]:
+    """The caller's mesh, then (several axes) its 1-D flattening: the same devices and links."""
+    if mesh.ndim == 1:
+        return [mesh]
+    return [mesh, Mesh((mesh.size,), hardware=mesh.hardware, devices_per_node=mesh.devices_per_node)]
+
+
+def _splits_batch(example_inputs) -> bool:
+    try:
+        return batch_size(example_inputs) > 1
+    except InputError:
+        return False
+
+
+def _label(c: Candidate) -> str:
+    return f"pp{c.pp} dp{c.dp} tp{c.tp} m{c.num_microbatches} {c.schedule}"
+
+
+def _infeasible(model, mesh, budget, optimizer, plans, floors, found, pipelines) -> InfeasiblePlanError:
+    """No candidate fits: a lower bound over the whole space, and the least memory a candidate needed."""
+    spmd_floor = min([e.min_memory_per_device for e in floors if e.min_memory_per_device is not None]
+                     + [p.memory_per_device for p in plans], default=0.0)
+    bound = min(spmd_floor, state_floor(model, mesh.size, optimizer)) if pipelines else spmd_floor
+    least = min([spmd_floor] + [c.memory_per_device for c in found if not c.feasible])
+    where = "SPMD and pipelined " if pipelines else "SPMD "
+    return InfeasiblePlanError(
+        f"no plan fits the memory budget ({format_bytes(budget)} per device) on {mesh.size} devices ({where}"
+        f"layouts): the smallest plan needs "
+        f"{format_bytes(bound)} or more (a lower bound over every recipe, recompute setting and stage count; "
+        f"the least a priced candidate needed is {format_bytes(least)}); raise memory_budget, use more "
+        f"devices, or pass mixed_precision='bf16'",
+        min_memory_per_device=bound, budget=budget)
