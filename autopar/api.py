@@ -60,6 +60,7 @@ def plan(model: nn.Module, example_inputs, *, mesh: Mesh | tuple, strategy: Stra
                        loss_fn=loss_fn, time_limit=time_limit, baselines=baselines, example_kwargs=example_kwargs,
                        mixed_precision=mixed_precision, recompute=recompute, num_microbatches=num_microbatches,
                        schedule=schedule, virtual_stages=virtual_stages, search=search)
+    num_stages = None if num_stages == "auto" else num_stages   # not searched: a forced recipe or a "pp" axis
     if _stage_count(num_stages) > 1 or "pp" in mesh.axis_names:
         return plan_pipelined(model, example_inputs, mesh=mesh, num_stages=num_stages,
                               num_microbatches=num_microbatches, schedule=schedule, virtual_stages=virtual_stages,
@@ -110,6 +111,7 @@ def autoparallelize(model: nn.Module, example_inputs, *, mesh: Mesh | tuple | No
             schedule=schedule, virtual_stages=virtual_stages, search=search))
         mesh, num_stages, num_microbatches, schedule = plan.mesh, None, None, None
         recompute = None if plan.stages and not plan.recompute else recompute
+    num_stages = None if num_stages == "auto" else num_stages   # not searched: a forced recipe or a "pp" axis
     if _stage_count(num_stages) > 1 or "pp" in mesh.axis_names or (plan is not None and bool(plan.stages)):
         return parallelize_pipelined(
             model, example_inputs, mesh=mesh, plan=plan, num_stages=num_stages, num_microbatches=num_microbatches,
@@ -146,9 +148,10 @@ def scaling(model: nn.Module, example_inputs, *, devices: Sequence[int] = (1, 2,
 
 # ---------------------------------------------------------------- option checks
 def _searches(num_stages, strategy, mesh: Mesh) -> bool:
-    """The layout search runs for num_stages="auto" with strategy "auto" on a mesh without a "pp" axis
-    (a forced recipe, a "pp" axis or a stage count plan as told)."""
-    return num_stages == "auto" and strategy == "auto" and "pp" not in mesh.axis_names
+    """The layout search runs for num_stages="auto" with strategy "auto" on a mesh of 2 or more devices
+    without a "pp" axis (a forced recipe, a "pp" axis or a stage count plan as told; one device has no
+    layout to search, and its SPMD plan then comes from the runtime's own capture)."""
+    return num_stages == "auto" and strategy == "auto" and "pp" not in mesh.axis_names and mesh.size > 1
 
 
 def _search(model, example_inputs, *, mesh: Mesh, memory_budget, optimizer, loss_fn, time_limit, baselines,
