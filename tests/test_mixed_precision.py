@@ -24,7 +24,7 @@ import torch
 
 import autopar
 from autopar._testing import models
-from autopar._testing.dist_cases import EPS, train_steps
+from autopar._testing.dist_cases import train_reference, train_steps
 from autopar._testing.dist_utils import run_distributed
 from autopar.capture.precision import MixedPrecision, as_policy
 from autopar.errors import InputError
@@ -51,22 +51,6 @@ def _batches(case, num: int = 4) -> list:
         kwargs = {k: args[0] for k in case.kwargs}  # labels = input ids
         out.append((args, kwargs))
     return out
-
-
-def train_reference(model, batches, steps: int, autocast: bool) -> list[float]:
-    """One process, the unmodified model, optionally under torch.autocast("cpu", torch.bfloat16)."""
-    model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses = []
-    for step in range(steps):
-        args, kwargs = batches[step % len(batches)]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = _loss(model(*args, **kwargs))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
 
 
 def _gradient_wire_dtypes(gm) -> Counter:
@@ -249,8 +233,8 @@ MODELS = {"gpt": lambda: models.tiny_gpt(batch=4, seq=16), "llama": lambda: mode
 def test_bf16_training_matches_single_process_autocast(name):
     case = MODELS[name]()
     batches = _batches(case)
-    ref = train_reference(case.model, batches, STEPS, autocast=True)
-    ref_fp32 = train_reference(case.model, batches, STEPS, autocast=False)
+    ref = train_reference(case.model, batches, STEPS, lr=LR, autocast=True)[0]
+    ref_fp32 = train_reference(case.model, batches, STEPS, lr=LR)[0]
     kws = [dict(strategy="dp", mixed_precision="bf16"), dict(strategy="tp", mixed_precision="bf16"),
            dict(strategy="zero3", mixed_precision=BF16_REDUCE)]
     results = run_distributed(train_bf16, 2, case.model, batches, STEPS, kws, timeout=900)
@@ -260,8 +244,8 @@ def test_bf16_training_matches_single_process_autocast(name):
 def test_bf16_training_world4_2d_mesh():
     case = MODELS["gpt"]()
     batches = _batches(case)
-    ref = train_reference(case.model, batches, STEPS, autocast=True)
-    ref_fp32 = train_reference(case.model, batches, STEPS, autocast=False)
+    ref = train_reference(case.model, batches, STEPS, lr=LR, autocast=True)[0]
+    ref_fp32 = train_reference(case.model, batches, STEPS, lr=LR)[0]
     mesh = autopar.Mesh((2, 2), axis_names=("dp", "tp"))
     kws = [dict(mesh=mesh, strategy={"dp": "dp", "tp": "tp"}, mixed_precision=BF16_REDUCE)]
     results = run_distributed(train_bf16, 4, case.model, batches, STEPS, kws, timeout=900)

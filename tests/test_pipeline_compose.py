@@ -318,22 +318,6 @@ def resume_job(rank, world, model, batches, kw, folder):
             "resumed_state": again.full_state_dict(), "plan": pmodel.plan.to_json()}
 
 
-def _reference(model, batches, lr, autocast=False) -> list[float]:
-    """One process, the unmodified model (optionally under autocast): the losses of `STEPS` AdamW steps."""
-    model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=EPS)
-    losses = []
-    for step in range(STEPS):
-        args, kwargs = batches[step % len(batches)]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = model(*args, **kwargs)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 def _equal_fp32(per_rank, model, batches):
     ref_losses, ref_state = train_reference(model, batches, STEPS)
     for rank, got in enumerate(per_rank):
@@ -344,8 +328,8 @@ def _equal_fp32(per_rank, model, batches):
 
 
 def _equal_autocast(per_rank, model, batches, batch_split: bool):
-    ref = _reference(model, batches, LR_BF16, autocast=True)
-    fp32 = _reference(model, batches, LR_BF16)
+    ref = train_reference(model, batches, STEPS, lr=LR_BF16, autocast=True)[0]
+    fp32 = train_reference(model, batches, STEPS, lr=LR_BF16)[0]
     assert abs(ref[0] - fp32[0]) > 5 * FIRST_ATOL, "the first autocast and fp32 losses are too close to tell"
     for rank, got in enumerate(per_rank):
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref), rtol=0, atol=LOSS_ATOL,
@@ -512,7 +496,7 @@ def _check_resume(per_rank, model, batches):
                                    atol=1e-7, msg=lambda m: f"rank {rank}: {m}")
     for key, want in per_rank[0]["state"].items():
         torch.testing.assert_close(per_rank[0]["resumed_state"][key], want, rtol=1e-6, atol=1e-7, msg=key)
-    ref = _reference(model, batches, LR_BF16, autocast=True)
+    ref = train_reference(model, batches, STEPS, lr=LR_BF16, autocast=True)[0]
     torch.testing.assert_close(torch.tensor(per_rank[0]["losses"]), torch.tensor(ref), rtol=0, atol=LOSS_ATOL)
 
 

@@ -22,14 +22,16 @@ def _loss(out):
     return extract_loss(out)
 
 
-def train_reference(model, batches, steps: int):
-    """Single-process run of the unmodified model: losses per step and final parameters."""
+def train_reference(model, batches, steps: int, lr: float = LR, autocast: bool = False):
+    """Single-process run of the unmodified model (optionally under torch.autocast("cpu", torch.bfloat16)):
+    losses per step and final parameters."""
     model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=EPS)
     losses = []
     for step in range(steps):
         args, kwargs = batches[step % len(batches)]
-        loss = _loss(model(*args, **kwargs))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = _loss(model(*args, **kwargs))
         opt.zero_grad()
         loss.backward()
         opt.step()
