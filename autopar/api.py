@@ -101,9 +101,7 @@ def autoparallelize(model: nn.Module, example_inputs, *, mesh: Mesh | tuple | No
     if device_type() == "cpu":
         keep_freed_memory()  # else glibc page-faults every step's activations in again (runtime/cpu_memory.py)
     mesh = _world_mesh(mesh, world, plan)
-    if plan is not None and num_stages == "auto":
-        num_stages = None   # the plan brings its stages (or none)
-    if _searches(num_stages, strategy, mesh):  # search the layout; the plan brings its mesh, micro-batches, schedule
+    if plan is None and _searches(num_stages, strategy, mesh):  # search; the plan brings its mesh, micro-batches, schedule
         plan = broadcast_plan(lambda: _search(
             model, example_inputs, mesh=mesh, memory_budget=memory_budget, optimizer=optimizer, loss_fn=loss_fn,
             time_limit=time_limit, baselines=baselines is not False, example_kwargs=example_kwargs,
@@ -111,7 +109,7 @@ def autoparallelize(model: nn.Module, example_inputs, *, mesh: Mesh | tuple | No
             schedule=schedule, virtual_stages=virtual_stages, search=search))
         mesh, num_stages, num_microbatches, schedule = plan.mesh, None, None, None
         recompute = None if plan.stages and not plan.recompute else recompute
-    num_stages = None if num_stages == "auto" else num_stages   # not searched: a forced recipe or a "pp" axis
+    num_stages = None if num_stages == "auto" else num_stages   # not searched: a given plan, a forced recipe, a "pp" axis
     if _stage_count(num_stages) > 1 or "pp" in mesh.axis_names or (plan is not None and bool(plan.stages)):
         return parallelize_pipelined(
             model, example_inputs, mesh=mesh, plan=plan, num_stages=num_stages, num_microbatches=num_microbatches,
