@@ -8,16 +8,20 @@ step is one compiled program (one Inductor graph per program: `CompiledProgram.o
 nothing for a graph break to cut.
 
 Collectives stay asynchronous: Inductor lowers each `_c10d_functional` collective to a call that starts it
-and a separate `wait_tensor`, and with `INDUCTOR_PATCHES` buckets the gradient all-reduces, reduce-scatters
-and parameter all-gathers (as autopar's `bucket_collectives` does eagerly) and sinks each wait to the first
-use of its result (the gradients' waits: the end of the step), so the backward's compute overlaps them.
-autopar's own eager bucketing passes (`EAGER_ONLY_PASSES`) are switched off for a compiled program: they
-write gradients in place into flat buffers (`all_reduce_`, `mm(out=...)`), which a functional compiler
-cannot take; Inductor's bucketing does the same job inside the compiled program.
+and a separate `wait_tensor`. How they are grouped and ordered against compute is an `Overlap` mode
+(`OVERLAP`): Inductor's bucketing of every kind and its comm/compute reordering (waits sunk to their first
+use), the same with ZeRO-3 gathers kept one per layer and phase as the plan prices them (autopar's functional
+`bucket_layer_gathers`), or autopar's emitted order with Inductor's bucketing and reordering off. The default
+per device type is the measured faster (`OVERLAP_DEFAULT`; AUTOPAR_COMPILE_OVERLAP overrides it for timing).
+autopar's other eager bucketing passes are switched off for a compiled program: they write gradients in place
+into flat buffers (`all_reduce_`, `mm(out=...)`), which a functional compiler cannot take.
 
 The default (`compile=None`) is the faster measured choice per device type (`DEFAULT`: eager on CPU, where
-compiling gains at most a few percent per step and costs a long first step; eager on CUDA until measured there); the module's repr says which ran (`describe`). First-call compile time is kept in `compile_seconds`; Inductor's FX graph cache
-(TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER) serves a restarted job with the same program.
+compiling gains at most a few percent per step and costs a long first step; eager on CUDA until measured
+there); the module's repr says which ran (`describe`). `compile="cudagraphs"` (CUDA only) replays the compiled
+code as CUDA graphs (Inductor's cudagraph trees), for static shapes. First-call compile time is kept in
+`compile_seconds` and shown in the repr; Inductor's FX graph cache (TORCHINDUCTOR_CACHE_DIR, default
+/tmp/torchinductor_$USER) serves a restarted job with the same program.
 """
 from __future__ import annotations
 
