@@ -28,6 +28,7 @@ from step_time import Variant, timed_step, warm_up
 
 from autopar import autoparallelize
 from autopar._testing.gpt import GPT, GPTConfig
+from autopar.graph import layer_of
 from autopar.mesh import Mesh
 from autopar.runtime.compile import OVERLAP
 
@@ -41,13 +42,21 @@ def started(pmodel) -> dict[str, int]:
     return {k: found.count(k) for k in KINDS}
 
 
+def planned_gathers(plan) -> int:
+    """The all-gathers the plan prices: one per (phase, axis, layer) for a numbered layer's parameters, one per
+    use elsewhere (autopar/planning/problem.py's gather_share)."""
+    return len({(c.phase, c.axis, layer_of(c.module) or (c.module, c.source)) for c in plan.collectives
+                if c.kind == "all_gather"})
+
+
 def peak_step_bytes(v: Variant, x, y) -> int:
     """Peak CPU bytes allocated during one step above what was allocated before it (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         v.step(x, y)
     live = peak = 0
-    for e in sorted((e for e in prof.events() if e.name == "[memory]"), key=lambda e: e.time_range.start):
+    leaves = [e for e in prof.events() if not e.cpu_children]   # an op's figure includes its children's
+    for e in sorted(leaves, key=lambda e: e.time_range.start):
         live += e.cpu_memory_usage
         peak = max(peak, live)
     return peak
@@ -100,11 +109,11 @@ def main(argv=None) -> None:
             ratios = [a / b for a, b in zip(v.times, base.times)]
             wins = sum(r < 1 for r in ratios)
             counts = started(v.module)
-            planned = sum(1 for c in v.plan.collectives if c.kind == "all_gather")
+            planned = planned_gathers(v.plan)
             print(f"{v.name:<20}{statistics.median(v.times):>9.3f}{statistics.median(v.cpu_times):>8.3f}"
                   f"{statistics.median(ratios):>12.3f}, {wins:>2}/{len(ratios)}{v.first_s:>8.1f}"
                   f"{v.peak / 2**20:>9.1f}  {counts['all_gather']}/{counts['reduce_scatter']}/{counts['all_reduce']}"
-                  f" ({planned} logical)")
+                  f" ({planned})")
         print(f"load at the end {os.getloadavg()}")
     dist.destroy_process_group()
 
