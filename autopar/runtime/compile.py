@@ -86,8 +86,12 @@ OVERLAP = {o.name: o for o in (
     Overlap("program", EAGER_ONLY_PASSES - {"bucket_layer_gathers"}, {},
             "autopar's emitted order and per-layer gathers; Inductor's bucketing and reordering off"),
 )}
-# The overlap per device type, measured (benchmarks/step_time.py --compile --overlap, docs/performance.md).
-OVERLAP_DEFAULT = {"cpu": "layers", "cuda": "layers"}
+# The overlap per device type (benchmarks/compile_overlap.py, RESULTS.md). CPU, measured: "inductor" is as fast as
+# "layers" (CPU time per step within 3% for dp, zero3, tp) and faster than "program" (its unbucketed reductions
+# cost 3-12%), and its ZeRO-3 step peaks lowest (68-81 MB on the benchmark GPT against the plan's 74 MB of
+# activations; "layers" 195 MB: Inductor's reordering keeps the per-layer gathers' copies live). CUDA: the same
+# until benchmarks/gpu_check.py measures it (Inductor's passes are tuned for GPUs; none was lent).
+OVERLAP_DEFAULT = {"cpu": "inductor", "cuda": "inductor"}
 
 # compile=None per device type. CPU: eager, measured (benchmarks/step_time.py --compile, two runs, docs/performance.md):
 # the compiled step's CPU time is 0.97-1.00x eager autopar's (paired wall medians 0.81-1.05x, within the machine's
