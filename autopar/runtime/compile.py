@@ -36,9 +36,12 @@ from autopar import config
 from autopar.errors import InputError
 from autopar.passes.ops import BUCKET_BYTES
 
-# Passes whose eager-runtime ops (flat in-place buckets) Inductor cannot trace; correct without them (OPTIONAL).
+# autopar's eager bucketing passes, off under the "inductor" overlap (its own bucketing replaces them); all are
+# OPTIONAL. All but bucket_layer_gathers write in place into flat buffers, which Inductor cannot trace: they are
+# off in every compiled mode. bucket_layer_gathers is functional ("layers" and "program" keep it).
 EAGER_ONLY_PASSES = frozenset({"bucket_collectives", "bucket_layer_gathers", "schedule_overlap",
                                "grads_into_buckets"})
+
 
 def _bucket_mb(bucket_index: int) -> float:
     """Inductor's bucket size (MB), as autopar's eager buckets (passes/ops.BUCKET_BYTES) and DDP's default: one
@@ -89,7 +92,7 @@ OVERLAP = {o.name: o for o in (
 # The overlap per device type (benchmarks/compile_overlap.py, RESULTS.md). CPU, measured: "inductor" is as fast as
 # "layers" (CPU time per step within 3% for dp, zero3, tp) and faster than "program" (its unbucketed reductions
 # cost 3-12%), and its ZeRO-3 step peaks lowest (68-81 MB on the benchmark GPT against the plan's 74 MB of
-# activations; "layers" 195 MB: Inductor's reordering keeps the per-layer gathers' copies live). CUDA: the same
+# activations; "layers" 118-196 MB: Inductor schedules gathers that read only parameters early). CUDA: the same
 # until benchmarks/gpu_check.py measures it (Inductor's passes are tuned for GPUs; none was lent).
 OVERLAP_DEFAULT = {"cpu": "inductor", "cuda": "inductor"}
 
@@ -121,7 +124,7 @@ def overlap_mode(compile: bool | str, device_type: str) -> Overlap | None:
     for an eager program."""
     if not compile:
         return None
-    name = config.compile_overlap() or OVERLAP_DEFAULT.get(device_type, "layers")
+    name = config.compile_overlap() or OVERLAP_DEFAULT.get(device_type, "inductor")
     if name not in OVERLAP:
         raise InputError(f"{config.COMPILE_OVERLAP}={name!r}: one of {sorted(OVERLAP)}")
     return OVERLAP[name]
@@ -144,7 +147,7 @@ class CompiledProgram:
     def __init__(self, gm: fx.GraphModule, name: str = "step", overlap: Overlap | None = None,
                  cuda_graphs: bool = False):
         self.gm, self.name, self.cuda_graphs = gm, name, cuda_graphs
-        self.overlap = overlap or OVERLAP[OVERLAP_DEFAULT["cpu"]]
+        self.overlap = overlap or OVERLAP["inductor"]
         self.outputs: list = []              # Inductor's OutputCode of each compile that ran Inductor's backend
         self.graphs: list[int] = []          # Inductor graphs each compile made or loaded (one: no split)
         self.compile_seconds: float | None = None   # the first compile's wall time
@@ -167,7 +170,7 @@ class CompiledProgram:
 
     def _check_static(self, key, args) -> None:
         if self._key is not None:
-            changed = next(i for i, (a, b) in enumerate(zip(key, self._key)) if a != b)
+            changed = next((i for i, (a, b) in enumerate(zip(key, self._key)) if a != b), 0)
             raise InputError(f"compile={CUDA_GRAPHS!r} records the {self.name} program's CUDA graphs for static "
                              f"shapes; argument {changed} was {self._key[changed][:2]} and is now {key[changed][:2]}. "
                              "Feed every step the same shapes (pad or drop the last batch), or pass compile=True")
