@@ -68,6 +68,11 @@ class HardwareSpec:
     the DTensor dispatch of the step goes. Plans made with `optimizer="fused_adamw"` (any name with the
     `fused_` prefix) price it (`step_overhead`); 0 means unmeasured (the presets): then
     `param_step_overhead` prices it too.
+    `in_step_scale` is how much longer a training step's ops take than the isolated benchmarks price
+    them: in a step, operands come cold from the ops before and the other ranks share the caches and
+    memory. `autopar calibrate` runs a reference training graph as a step runs it, on every rank at
+    once, and divides its measured seconds by the seconds the fitted rates give it; every op's time
+    (`costmodel.compute.op_time`, `view_time`) is multiplied by it. Presets 1.
     """
 
     name: str
@@ -86,6 +91,7 @@ class HardwareSpec:
     attention_backward_efficiency: float = 1.0  # attention backward FLOP/s / matmul FLOP/s
     sync_latency: float = 0.0         # seconds a blocking collective adds after compute (calibrated)
     fused_step_overhead: float = 0.0  # param_step_overhead under pmodel.optimizer (0: unmeasured)
+    in_step_scale: float = 1.0        # a step's op seconds / the isolated benchmarks' (calibrated; presets 1)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -171,11 +177,11 @@ class HardwareSpec:
 _FIELDS = ("name", "peak_flops", "mem_bandwidth", "mem_capacity", "intra_node", "inter_node",
            "devices_per_node", "compute_efficiency", "collectives", "op_overhead", "param_step_overhead",
            "transcendental_rate", "attention_efficiency", "attention_backward_efficiency", "sync_latency",
-           "fused_step_overhead")
+           "fused_step_overhead", "in_step_scale")
 _REQUIRED = _FIELDS[:7]
 _OPTIONAL = {"op_overhead": 0.0, "param_step_overhead": 0.0, "transcendental_rate": 0.0,   # default when absent
              "attention_efficiency": 1.0, "attention_backward_efficiency": 1.0, "sync_latency": 0.0,
-             "fused_step_overhead": 0.0}
+             "fused_step_overhead": 0.0, "in_step_scale": 1.0}
 _FIX = "fix the field or regenerate the profile with HardwareSpec.save()"
 
 
@@ -221,6 +227,7 @@ def _validate(spec: HardwareSpec) -> None:
     _check_non_negative("fused_step_overhead", spec.fused_step_overhead)
     _check_positive("attention_efficiency", spec.attention_efficiency)
     _check_positive("attention_backward_efficiency", spec.attention_backward_efficiency)
+    _check_positive("in_step_scale", spec.in_step_scale)
     if not isinstance(spec.collectives, dict) or not set(spec.collectives) <= set(LINK_KINDS):
         raise HardwareError(f"field 'collectives' must map {LINK_KINDS} to collective fits; {_FIX}")
     for link_kind, fits in spec.collectives.items():
