@@ -12,7 +12,8 @@
 3. Compiled (unless --no-compile): the numerics of `autoparallelize(..., compile=True)` (each rank's program
    compiled by Inductor) against the unmodified model, and per precision its step against the unmodified
    model under `torch.compile` (the issue's criterion: autopar compiled <= 1.00x torch.compile'd PyTorch),
-   with the first (compiling) step's time of each.
+   with the first (compiling) step's time of each; then `compile="cudagraphs"` (Inductor's code replayed as CUDA
+   graphs) the same way, against `torch.compile(mode="reduce-overhead")` (torch's CUDA graphs).
 
 `--device cpu --small` runs the same code on CPU/gloo with a 2-layer GPT (a smoke test of the script).
 """
@@ -40,7 +41,7 @@ def batch(cfg: GPTConfig, b: int, t: int, seed: int) -> tuple[torch.Tensor, torc
     return x[:, :-1].contiguous().to(DEV), x[:, 1:].contiguous().to(DEV)
 
 
-def check_numerics(compile: bool = False) -> str:
+def check_numerics(compile: bool | str = False) -> str:
     """3 AdamW steps of autopar (world 1, NCCL; `compile`: its program compiled by Inductor) and of the
     unmodified model; largest differences."""
     torch.manual_seed(0)
@@ -85,7 +86,7 @@ def median_step(step, batches, steps: int) -> float:
     return statistics.median(times)
 
 
-def time_gpt2(precision: str, hardware: str, steps: int, small: bool, compile: bool = False) -> str:
+def time_gpt2(precision: str, hardware: str, steps: int, small: bool, compile: bool | str = False) -> str:
     """autopar's step (`compile`: its compiled program) against the unmodified model's (`compile`: under
     torch.compile), both in `precision`, and the plan's prediction."""
     # GPT-2 124M: 12 layers, 768 wide, 50304 vocabulary, tied embeddings (--small: a 2-layer smoke test)
@@ -113,7 +114,7 @@ def time_gpt2(precision: str, hardware: str, steps: int, small: bool, compile: b
         torch.cuda.empty_cache()
 
     eager_opt = torch.optim.AdamW(base.parameters(), lr=1e-4, fused=DEV == "cuda")
-    run = torch.compile(base) if compile else base
+    run = torch.compile(base, mode="reduce-overhead" if compile == "cudagraphs" else "default") if compile else base
 
     def eager_step(x, y):
         with torch.autocast(DEV, dtype=torch.bfloat16, enabled=mp is not None):
@@ -122,7 +123,8 @@ def time_gpt2(precision: str, hardware: str, steps: int, small: bool, compile: b
         eager_opt.step(); eager_opt.zero_grad(set_to_none=True)
     eager_first = first_step(eager_step, batches[0])
     eager = median_step(eager_step, batches, steps)
-    who, ref = ("autopar compiled", "torch.compile") if compile else ("autopar", "eager")
+    who, ref = {False: ("autopar", "eager"), True: ("autopar compiled", "torch.compile"),
+                "cudagraphs": ("autopar cudagraphs", "torch.compile reduce-overhead")}[compile]
     return (f"{'GPT 2x64' if small else 'GPT-2 124M'} b8x{seq} {precision:5s}: predicted {predicted * 1e3:7.1f} ms, "
             f"{who} measured {measured * 1e3:7.1f} ms (predicted/measured {predicted / measured:.2f}), {ref} "
             f"{eager * 1e3:7.1f} ms ({who}/{ref} {measured / eager:.2f}); plan+rewrite {setup:.0f} s, first step "
@@ -144,7 +146,8 @@ def main(argv=None) -> None:
     p.add_argument("--skip-numerics", action="store_true")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test of this script")
     p.add_argument("--small", action="store_true", help="a 2-layer GPT instead of GPT-2 124M")
-    p.add_argument("--no-compile", action="store_true", help="skip the compiled variants (compile=True, torch.compile)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="skip the compiled variants (compile=True and 'cudagraphs', torch.compile)")
     args = p.parse_args(argv)
     global DEV
     DEV = args.device
@@ -154,7 +157,7 @@ def main(argv=None) -> None:
     if "RANK" not in os.environ:
         sys.exit("run under torchrun: torchrun --nproc_per_node 1 benchmarks/gpu_check.py")
     print(f"{torch.cuda.get_device_name() if DEV == 'cuda' else 'CPU'} torch {torch.__version__}, hardware {args.hardware}", flush=True)
-    modes = (False,) if args.no_compile else (False, True)
+    modes = (False,) if args.no_compile else (False, True) + (("cudagraphs",) if DEV == "cuda" else ())
     if not args.skip_numerics:
         for compile in modes:
             print(check_numerics(compile), flush=True)
