@@ -11,7 +11,7 @@ import torch
 
 import autopar
 from autopar._testing.gpt import GPT, GPTConfig
-from autopar.calibration.compiled import layered_program, trace_aten, kernel_calls
+from autopar.calibration.compiled import kernel_calls, layered_program, trace_aten
 from autopar.capture.canonicalize import canonicalize
 from autopar.capture.trace import capture
 from autopar.costmodel import hardware
