@@ -17,7 +17,7 @@
    A table of all rows follows.
 
 Every variant compiles once (its first step) and is timed over `--steps` steps after `--warmup`; the Llama
-rows run the fewest steps that give a median. `--budget` (seconds, default 450) stops starting new rows once
+rows run the fewest steps that give a median. `--budget` (seconds, default 300) stops starting new rows once
 spent, so the job ends in about 8 minutes on an H200 whatever the compile times; a skipped row says so.
 `--device cpu --tiny` runs every path (both models, both precisions, eager and compiled, numerics) at tiny
 sizes on CPU/gloo, to check the script before a GPU is lent.
@@ -213,7 +213,7 @@ def main(argv=None) -> None:
     p.add_argument("--hardware", default="h200", help="preset or calibrated profile JSON (default h200)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant (median; Llama: half, >= 3)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after the first (compiling) one")
-    p.add_argument("--budget", type=float, default=450.0, help="seconds after which no new row starts")
+    p.add_argument("--budget", type=float, default=300.0, help="seconds after which no new row starts")
     p.add_argument("--models", default="gpt2,llama", help="comma list of gpt2, llama")
     p.add_argument("--precisions", default="bf16,fp32", help="comma list of bf16, fp32")
     p.add_argument("--skip-numerics", action="store_true")
