@@ -85,14 +85,18 @@ TRANSCENDENTAL_OPS = frozenset(getattr(aten, name) for name in (
 
 
 def op_time(flops: float, nbytes: float, hw: HardwareSpec, dtype: torch.dtype | str,
-            elements: float = 0.0, efficiency: float = 1.0) -> float:
+            elements: float = 0.0, efficiency: float = 1.0, *, overhead: float | None = None,
+            bandwidth: float | None = None) -> float:
     """Roofline seconds: the largest of compute time at achievable peak (times `efficiency`, see
     `flop_efficiency`), memory-traffic time and, for `elements` of an exp-class op, their time at
     `transcendental_rate`; plus the per-launch overhead (`ROOFLINE` evaluated in floats); all of it
-    times `in_step_scale` (a calibrated profile's ratio of a step's op seconds to the benchmarks')."""
+    times `in_step_scale` (a calibrated profile's ratio of a step's op seconds to the benchmarks').
+    `overhead` and `bandwidth` replace the eager program's `op_overhead` and `mem_bandwidth` (a compiled
+    program's kernel: `HardwareSpec.kernel_overhead`, `fused_bandwidth`; `autopar/planning/fusion.py`)."""
     compute = flops / (hw.flops(dtype_name(dtype)) * hw.compute_efficiency * efficiency)
     special = elements / hw.transcendental_rate if hw.transcendental_rate else 0.0
-    return (max(compute, nbytes / hw.mem_bandwidth, special) + hw.op_overhead) * hw.in_step_scale
+    memory = nbytes / (hw.mem_bandwidth if bandwidth is None else bandwidth)
+    return (max(compute, memory, special) + (hw.op_overhead if overhead is None else overhead)) * hw.in_step_scale
 
 
 def view_time(hw: HardwareSpec) -> float:

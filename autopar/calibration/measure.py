@@ -40,6 +40,8 @@ page by page, which the program does not pay. 13.8 MB on 2 ranks of a 2-core mac
 calibrations each: all-reduce fitted at a median 15.4 ms and all-gather at 11.0 ms under the
 defaults, 12.6 and 8.2 ms under autopar's settings; timed alone, as the program issues them,
 12.5-13.7 and 6.4-6.7 ms.
+The compiled program's figures (`compiled_op_overhead` per kernel, `compiled_mem_bandwidth` of a fused
+chain) are measured by `autopar.calibration.compiled` on the runtime's own `CompiledProgram`.
 The result is a `HardwareSpec`; `HardwareSpec.save` writes the JSON that `Mesh(hardware=path)` reads.
 """
 from __future__ import annotations
@@ -60,6 +62,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autopar import _torch_compat as compat
+from autopar.calibration.compiled import measure_compiled
 from autopar.calibration.fit import Sample, fit_line, fit_links
 from autopar.calibration.in_step import InStep, measure_in_step
 from autopar.calibration.timing import mean_time, sustained_time, sync
@@ -90,6 +93,8 @@ class Calibration:
     attention_backward_flops: float = 0.0   # achieved FLOP/s of its backward
     sync_latency: float = 0.0  # seconds a blocking collective adds after compute (median excess)
     fused_step_overhead: float = 0.0   # param_step_overhead with pmodel.optimizer's fused local-shard step
+    compiled_op_overhead: float = 0.0  # seconds per kernel of an Inductor-compiled program (calibration/compiled.py)
+    compiled_mem_bandwidth: float = 0.0   # bytes/s of a compiled fused chain's one pass
     reference: InStep | None = None    # the reference step (-> spec.in_step_scale)
 
     def summary(self) -> str:
@@ -105,7 +110,9 @@ class Calibration:
                  f"op overhead {format_seconds(self.op_overhead)}, "
                  f"{format_seconds(self.param_step_overhead)} per parameter tensor per step "
                  f"({format_seconds(self.fused_step_overhead)} with pmodel.optimizer), "
-                 f"{format_seconds(self.sync_latency)} per collective reached from compute"]
+                 f"{format_seconds(self.sync_latency)} per collective reached from compute; compiled program "
+                 f"{format_seconds(self.compiled_op_overhead)} per kernel, fused chains "
+                 f"{format_bytes(self.compiled_mem_bandwidth)}/s"]
         if self.reference is not None:
             lines.append(f"in-step scale x{self.reference.scale:.2f}: a reference step's {self.reference.ops} ops ran "
                          f"{format_seconds(self.reference.measured)} where the rates above price "
@@ -124,7 +131,8 @@ def build_profile(base: HardwareSpec, samples: Sequence[Sample], *, matmul_flops
                   transcendental_rate: float | None = None, attention_flops: float | None = None,
                   attention_backward_flops: float | None = None,
                   sync_latency: float | None = None,
-                  fused_step_overhead: float | None = None) -> HardwareSpec:
+                  fused_step_overhead: float | None = None, compiled_op_overhead: float | None = None,
+                  compiled_mem_bandwidth: float | None = None) -> HardwareSpec:
     """The calibrated spec: base's capacity, measured compute, fitted links (base's where unmeasured;
     the per-tensor step overhead, the transcendental rate and the attention efficiencies too when
     not measured). An attention efficiency is its FLOP/s over the matmul's."""
@@ -145,7 +153,10 @@ def build_profile(base: HardwareSpec, samples: Sequence[Sample], *, matmul_flops
         attention_backward_efficiency=(base.attention_backward_efficiency if attention_backward_flops is None
                                        else attention_backward_flops / matmul_flops),
         sync_latency=base.sync_latency if sync_latency is None else sync_latency,
-        fused_step_overhead=base.fused_step_overhead if fused_step_overhead is None else fused_step_overhead)
+        fused_step_overhead=base.fused_step_overhead if fused_step_overhead is None else fused_step_overhead,
+        compiled_op_overhead=base.compiled_op_overhead if compiled_op_overhead is None else compiled_op_overhead,
+        compiled_mem_bandwidth=(base.compiled_mem_bandwidth if compiled_mem_bandwidth is None
+                                else compiled_mem_bandwidth))
 
 
 # --- measuring (every rank runs these in the same order) -------------------------------------------
@@ -382,7 +393,8 @@ def measure_sync_latency(device: torch.device, iters: int, segment: float = 10e-
 
 def _slowest(values: dict[str, float], device: torch.device) -> dict[str, float]:
     """Every rank's figures agreed: the slowest rank's (min rate, max overhead) so all get one spec."""
-    rates = ("matmul", "attention", "attention_backward", "bandwidth", "transcendental")
+    rates = ("matmul", "attention", "attention_backward", "bandwidth", "transcendental", "compiled_bandwidth",
+             "eager_chain_ratio")
     names = sorted(values)
     t = torch.tensor([-values[k] if k in rates else values[k] for k in names], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -429,19 +441,24 @@ def calibrate(mesh_shape: Sequence[int] | None = None, *, sizes: Sequence[int] =
         "DTensor parameters; a collective reached from compute")
     figures = _slowest({**figures, "param_step": measure_param_step(device, iters),
                         "fused_step": measure_param_step(device, iters, fused=True),
-                        "sync": measure_sync_latency(device, iters)}, device)
+                        "sync": measure_sync_latency(device, iters),
+                        **measure_compiled(device, dtype, lambda fn: _sustained_time(fn, device, iters), quick_compute)},
+                       device)
     spec = build_profile(base_spec, samples, matmul_flops=figures["matmul"], mem_bandwidth=figures["bandwidth"],
                          op_overhead=figures["overhead"], devices_per_node=dpn,
                          dtype="bfloat16" if device.type == "cuda" else "float32",
                          param_step_overhead=figures["param_step"], transcendental_rate=figures["transcendental"],
                          attention_flops=figures["attention"], attention_backward_flops=figures["attention_backward"],
-                         sync_latency=figures["sync"], fused_step_overhead=figures["fused_step"])
+                         sync_latency=figures["sync"], fused_step_overhead=figures["fused_step"],
+                         compiled_op_overhead=figures["compiled_overhead"],
+                         compiled_mem_bandwidth=figures["compiled_bandwidth"])
     say("a reference training step's graph run as a step runs it, against what the rates above price it")
     reference = measure_in_step(spec, device, iters)
     spec = replace(spec, in_step_scale=reference.scale)
     return Calibration(spec, tuple(samples), figures["matmul"], figures["attention"], figures["bandwidth"],
                        figures["overhead"], figures["param_step"], figures["transcendental"],
-                       figures["attention_backward"], figures["sync"], figures["fused_step"], reference)
+                       figures["attention_backward"], figures["sync"], figures["fused_step"],
+                       figures["compiled_overhead"], figures["compiled_bandwidth"], reference)
 
 
 def _device() -> torch.device:
