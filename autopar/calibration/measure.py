@@ -442,7 +442,7 @@ def calibrate(mesh_shape: Sequence[int] | None = None, *, sizes: Sequence[int] =
     figures = _slowest({**figures, "param_step": measure_param_step(device, iters),
                         "fused_step": measure_param_step(device, iters, fused=True),
                         "sync": measure_sync_latency(device, iters),
-                        **measure_compiled(device, dtype, lambda fn: _sustained_time(fn, device, iters), quick_compute)},
+                        **measure_compiled(device, dtype, lambda fn: sustained_time(fn, device, iters), quick_compute)},
                        device)
     spec = build_profile(base_spec, samples, matmul_flops=figures["matmul"], mem_bandwidth=figures["bandwidth"],
                          op_overhead=figures["overhead"], devices_per_node=dpn,
