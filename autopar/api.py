@@ -37,7 +37,7 @@ def plan(model: nn.Module, example_inputs, *, mesh: Mesh | tuple, strategy: Stra
          time_limit: float | None = None, example_kwargs: dict | None = None, baselines: bool = True,
          mixed_precision: Precision = None, recompute: Recompute = None, num_stages: int | str | None = "auto",
          num_microbatches: int | None = None, schedule: str | None = None,
-         virtual_stages: int | None = None, search: str = "fast") -> Plan:
+         virtual_stages: int | None = None, search: str = "fast", compile: bool = False) -> Plan:
     """Capture `model`'s training step, price every way to split it over `mesh`, and pick the fastest
     that fits `memory_budget` bytes per device (int or "80GB"). One process, fake tensors.
 
@@ -53,8 +53,12 @@ def plan(model: nn.Module, example_inputs, *, mesh: Mesh | tuple, strategy: Stra
     `num_microbatches`; `num_stages=None` or 1 plans without stages on `mesh` as given.
     `search="fast"` prices pipelines only when the SPMD plan of the devices as one axis does not fit or
     is over 4x a pipeline's step bound (else planning stays about as fast as SPMD planning); `search="exact"` always runs the branch and bound
-    over pipelines too (minutes for 8B+ models on this machine's two cores); `plan.solver["search"]`."""
+    over pipelines too (minutes for 8B+ models on this machine's two cores); `plan.solver["search"]`.
+    `compile=True` prices each rank's program as `autoparallelize(compile=True)` runs it, compiled by Inductor
+    (views free, memory-bound chains fused, the hardware's compiled per-kernel figures: docs/cost_model.md);
+    False the eager FX program. The plan's summary says which (`plan.mesh.hardware.compiled`)."""
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
+    mesh = mesh.for_program(_compile_flag(compile))
     if _searches(num_stages, strategy, mesh):
         return _search(model, example_inputs, mesh=mesh, memory_budget=memory_budget, optimizer=optimizer,
                        loss_fn=loss_fn, time_limit=time_limit, baselines=baselines, example_kwargs=example_kwargs,
@@ -99,12 +103,14 @@ def autoparallelize(model: nn.Module, example_inputs, *, mesh: Mesh | tuple | No
     same shapes, else InputError); None takes the faster measured choice for the device type
     (`autopar.runtime.compile`, docs/performance.md). `repr(pmodel)` and `pmodel.compile_seconds` report the
     first step's compile time; Inductor's FX graph cache serves a restarted job with the same program.
+    The plan made here is priced for the program that runs (`plan(..., compile=)`); a given `plan` keeps its
+    own pricing.
     The other options are `plan`'s."""
     _, world = init_distributed(device)
     compile = resolve_compile(compile, device_type())
     if device_type() == "cpu":
         keep_freed_memory()  # else glibc page-faults every step's activations in again (runtime/cpu_memory.py)
-    mesh = _world_mesh(mesh, world, plan)
+    mesh = _world_mesh(mesh, world, plan).for_program(bool(compile) if plan is None else plan.mesh.hardware.compiled)
     if plan is None and _searches(num_stages, strategy, mesh):  # search; the plan brings its mesh, micro-batches, schedule
         plan = broadcast_plan(lambda: _search(
             model, example_inputs, mesh=mesh, memory_budget=memory_budget, optimizer=optimizer, loss_fn=loss_fn,
@@ -149,6 +155,12 @@ def scaling(model: nn.Module, example_inputs, *, devices: Sequence[int] = (1, 2,
 
 
 # ---------------------------------------------------------------- option checks
+def _compile_flag(compile) -> bool:
+    if not isinstance(compile, bool):
+        raise InputError(f"compile={compile!r}: pass True to price the Inductor-compiled program, False the eager one")
+    return compile
+
+
 def _searches(num_stages, strategy, mesh: Mesh) -> bool:
     """The layout search runs for num_stages="auto" with strategy "auto" on a mesh of 2 or more devices
     without a "pp" axis (a forced recipe, a "pp" axis or a stage count plan as told; one device has no

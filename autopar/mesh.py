@@ -53,6 +53,12 @@ class Mesh:
             "inter" if _crosses_nodes(math.prod(shape[i:]), devices_per_node) else "intra"
             for i in range(len(shape))))
 
+    def for_program(self, compiled: bool) -> "Mesh":
+        """This mesh with its hardware pricing the compiled per-rank program (`compiled=True`, Inductor) or
+        the eager one (`HardwareSpec.for_program`)."""
+        hw = self.hardware.for_program(compiled)
+        return self if hw is self.hardware else Mesh(self.shape, self.axis_names, hw, self.devices_per_node)
+
     # --- sizes --------------------------------------------------------------------------------------
 
     @property

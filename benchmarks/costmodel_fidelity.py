@@ -4,6 +4,8 @@
     torchrun --nproc_per_node 2 benchmarks/costmodel_fidelity.py --profile p.json    # reuse a profile
     torchrun --nproc_per_node 2 benchmarks/costmodel_fidelity.py --hardware cpu      # the uncalibrated preset
     torchrun --nproc_per_node 2 benchmarks/costmodel_fidelity.py --categories        # + ms per category of op
+    torchrun --nproc_per_node 2 benchmarks/costmodel_fidelity.py --compile --plans dp,zero3,tp,auto
+                                                   # + each plan compiled by Inductor, priced as compiled
 
 The job first calibrates this machine (`autopar.calibration.measure.calibrate`, the same code as
 `autopar calibrate`) unless given a profile, then plans dp, zero3, tp, auto and a 2-stage 1F1B
@@ -17,6 +19,10 @@ default the job therefore calibrates again before every round (under the same lo
 round's steps) and prices every plan with one profile fitted from all the rounds' timings
 (`--calibrate once`: the first calibration only). It prints prediction, measurement, signed error,
 the Spearman rank correlation of the two orderings, and the load average.
+
+`--compile` also builds every SPMD plan with `autoparallelize(compile=True)` ("dp/compiled", ...): each rank's
+program compiled by Inductor (its first step compiles, untimed), planned and priced as the compiled program
+(`autopar.plan(..., compile=True)`: views free, fused chains, the profile's compiled per-kernel figures).
 """
 from __future__ import annotations
 
@@ -76,20 +82,25 @@ def pooled(calibrations: list[Calibration]) -> HardwareSpec:
     first = calibrations[0]
     med = {name: statistics.median(getattr(c, name) for c in calibrations)
            for name in ("matmul_flops", "mem_bandwidth", "op_overhead", "param_step_overhead", "transcendental_rate",
-                        "attention_flops", "attention_backward_flops", "sync_latency")}
+                        "attention_flops", "attention_backward_flops", "sync_latency", "fused_step_overhead",
+                        "compiled_op_overhead", "compiled_mem_bandwidth")}
     return build_profile(first.spec, [s for c in calibrations for s in c.samples], matmul_flops=med["matmul_flops"],
                          mem_bandwidth=med["mem_bandwidth"], op_overhead=med["op_overhead"],
                          devices_per_node=first.spec.devices_per_node, name=first.spec.name,
                          param_step_overhead=med["param_step_overhead"],
                          transcendental_rate=med["transcendental_rate"], attention_flops=med["attention_flops"],
-                         attention_backward_flops=med["attention_backward_flops"], sync_latency=med["sync_latency"])
+                         attention_backward_flops=med["attention_backward_flops"], sync_latency=med["sync_latency"],
+                         fused_step_overhead=med["fused_step_overhead"],
+                         compiled_op_overhead=med["compiled_op_overhead"],
+                         compiled_mem_bandwidth=med["compiled_mem_bandwidth"])
 
 
-def build(model, example, mesh, name: str) -> Variant:
+def build(model, example, mesh, name: str, compiled: bool = False) -> Variant:
     strategy = "auto" if name in PLAN_KWARGS else name
     pmodel = autoparallelize(copy.deepcopy(model), example, mesh=mesh, strategy=strategy, baselines=False,
-                             **PLAN_KWARGS.get(name, {}))
-    v = Variant(name, strategy, pmodel, lambda x, y, m=pmodel: m.train_step(x, y).item())
+                             compile=compiled, **PLAN_KWARGS.get(name, {}))
+    v = Variant(name + ("/compiled" if compiled else ""), strategy, pmodel,
+                lambda x, y, m=pmodel: m.train_step(x, y).item(), compiled=compiled)
     v.predicted = pmodel.plan.predicted_step_time
     v.plan = pmodel.plan
     v.compute_comm = (v.plan.predicted_compute_time, v.plan.predicted_comm_time)
@@ -102,7 +113,7 @@ def spmd_totals(model, example, plan, mesh) -> dict | None:
     node gets the strategy the plan names (planning again could break a near-tie differently).
     None when a choice is not among the node's candidates."""
     from autopar.planning import assemble
-    found = spmd_choice(model, example, plan, mesh)
+    found = spmd_choice(model, example, plan, mesh.for_program(plan.mesh.hardware.compiled))
     return None if found is None else assemble.totals(*found)
 
 
@@ -157,11 +168,11 @@ def reprice(v: Variant, model, example, mesh) -> None:
 
 
 def report(variants: list[Variant]) -> str:
-    lines = [f"{'plan':<8}{'predicted s':>12}{'measured s':>12}{'error':>9}   compute / comm predicted",
-             "-" * 70]
+    lines = [f"{'plan':<15}{'predicted s':>12}{'measured s':>12}{'error':>9}   compute / comm predicted",
+             "-" * 77]
     for v in variants:
         med = statistics.median(v.times)
-        lines.append(f"{v.name:<8}{v.predicted:>12.4f}{med:>12.4f}{(v.predicted - med) / med:>+9.1%}   "
+        lines.append(f"{v.name:<15}{v.predicted:>12.4f}{med:>12.4f}{(v.predicted - med) / med:>+9.1%}   "
                      f"{v.compute_comm[0]:.4f} / {v.compute_comm[1]:.4f}{v.note}")
     pred = [v.predicted for v in variants]
     meas = [statistics.median(v.times) for v in variants]
@@ -188,6 +199,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=3, help="timed steps per plan per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--plans", default=",".join(PLANS))
+    p.add_argument("--compile", action="store_true",
+                   help="also run each SPMD plan compiled by Inductor (compile=True), priced as compiled")
     p.add_argument("--calibrate", choices=("every-round", "once"), default="every-round",
                    help="calibrate again before each round (default) or only before the first")
     p.add_argument("--categories", action="store_true",
@@ -210,7 +223,10 @@ def main(argv=None) -> None:
     batches = [(torch.randint(0, args.vocab, (args.batch, args.block), generator=gen),
                 torch.randint(0, args.vocab, (args.batch, args.block), generator=gen)) for _ in range(4)]
     mesh = autopar.Mesh((world,), hardware=hw)
-    variants = [build(model, batches[0], mesh, s) for s in args.plans.split(",")]
+    names = args.plans.split(",")
+    variants = [build(model, batches[0], mesh, s) for s in names]
+    if args.compile:
+        variants += [build(model, batches[0], mesh, s, compiled=True) for s in names if s not in PLAN_KWARGS]
     variants = [v for v in variants if warm_up(v, batches, args.warmup, rank)]
     for r in range(args.rounds):
         if r and calibrations and args.calibrate == "every-round":
@@ -230,7 +246,9 @@ def main(argv=None) -> None:
             print(f"pooled profile of {len(calibrations)} calibrations: matmul "
                   f"{hw.flops('float32') * hw.compute_efficiency / 1e9:.1f} GFLOP/s, pointwise "
                   f"{hw.mem_bandwidth / 1e9:.1f} GB/s, exp/tanh/gelu {hw.transcendental_rate / 1e6:.0f} M elements/s, "
-                  f"op overhead {hw.op_overhead * 1e6:.2f} µs, {hw.param_step_overhead * 1e6:.0f} µs per parameter "
+                  f"op overhead {hw.op_overhead * 1e6:.2f} µs (compiled: {hw.compiled_op_overhead * 1e6:.2f} µs per "
+                  f"kernel, fused chains {hw.compiled_mem_bandwidth / 1e9:.1f} GB/s), "
+                  f"{hw.param_step_overhead * 1e6:.0f} µs per parameter "
                   f"tensor per step, {hw.sync_latency * 1e6:.0f} µs per collective reached from compute, "
                   f"attention at {hw.attention_efficiency:.2f} (forward) and "
                   f"{hw.attention_backward_efficiency:.2f} (backward) of the matmul's FLOP/s", flush=True)

@@ -68,6 +68,21 @@ class HardwareSpec:
     the DTensor dispatch of the step goes. Plans made with `optimizer="fused_adamw"` (any name with the
     `fused_` prefix) price it (`step_overhead`); 0 means unmeasured (the presets): then
     `param_step_overhead` prices it too.
+    `compiled_op_overhead` and `compiled_mem_bandwidth` are what a kernel of an Inductor-compiled per-rank
+    program (`autoparallelize(compile=True)`: a fused pointwise/reduction kernel or an extern call such as a
+    matmul) costs beyond its roofline, and the bytes/s a fused kernel streams its inputs and outputs at,
+    measured by `autopar calibrate` (`autopar/calibration/compiled.py`); 0 means unmeasured (the presets):
+    `op_overhead` and `mem_bandwidth` price them.
+    `compiled` says which program the planner prices: False the eager FX program (one dispatched ATen call
+    per node), True the compiled one (views free, memory-bound chains fused into one pass over their inputs
+    and outputs, `autopar/planning/fusion.py`). It is a pricing choice, not a figure of the device:
+    `autopar.plan(..., compile=True)` and `autoparallelize(compile=True)` set it (`for_program`).
+    `in_step_scale` is how much longer a training step's ops take than the isolated benchmarks price
+    them: in a step, operands come cold from the ops before and the other ranks share the caches and
+    memory. `autopar calibrate` runs a reference training graph as a step runs it, on every rank at
+    once, and divides its measured seconds by the seconds the fitted rates give it; every op's time
+    (`costmodel.compute.op_time`, `view_time`; a compiled program's kernels too: the same operands
+    come cold) is multiplied by it. Presets 1.
     """
 
     name: str
@@ -86,6 +101,10 @@ class HardwareSpec:
     attention_backward_efficiency: float = 1.0  # attention backward FLOP/s / matmul FLOP/s
     sync_latency: float = 0.0         # seconds a blocking collective adds after compute (calibrated)
     fused_step_overhead: float = 0.0  # param_step_overhead under pmodel.optimizer (0: unmeasured)
+    compiled_op_overhead: float = 0.0    # seconds per kernel of a compiled program (0: unmeasured)
+    compiled_mem_bandwidth: float = 0.0  # bytes/s of a fused kernel's one pass (0: unmeasured)
+    in_step_scale: float = 1.0        # a step's op seconds / the isolated benchmarks' (calibrated; presets 1)
+    compiled: bool = False            # price the compiled program (True) or the eager FX one
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -94,7 +113,8 @@ class HardwareSpec:
         object.__setattr__(self, "peak_flops", {k: float(v) for k, v in self.peak_flops.items()})
         for name in ("mem_bandwidth", "mem_capacity", "compute_efficiency", "op_overhead",
                      "param_step_overhead", "transcendental_rate", "attention_efficiency",
-                     "attention_backward_efficiency", "sync_latency", "fused_step_overhead"):
+                     "attention_backward_efficiency", "sync_latency", "fused_step_overhead",
+                     "compiled_op_overhead", "compiled_mem_bandwidth", "in_step_scale"):
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "collectives", {k: dict(v) for k, v in self.collectives.items()})
 
@@ -113,6 +133,23 @@ class HardwareSpec:
     def step_overhead(self, fused: bool) -> float:
         """Seconds a step adds per parameter tensor: under pmodel.optimizer (`fused`) when measured."""
         return self.fused_step_overhead if fused and self.fused_step_overhead > 0 else self.param_step_overhead
+
+    def for_program(self, compiled: bool) -> "HardwareSpec":
+        """This spec pricing the compiled per-rank program (`compiled=True`) or the eager one."""
+        return self if self.compiled == compiled else replace(self, compiled=compiled)
+
+    @property
+    def kernel_overhead(self) -> float:
+        """Seconds one kernel of the priced program adds: `compiled_op_overhead` for a compiled program
+        (when measured), else the eager dispatch `op_overhead`."""
+        if self.compiled and self.compiled_op_overhead > 0:
+            return self.compiled_op_overhead
+        return self.op_overhead
+
+    @property
+    def fused_bandwidth(self) -> float:
+        """Bytes/s of a compiled program's fused kernel (`compiled_mem_bandwidth` when measured)."""
+        return self.compiled_mem_bandwidth if self.compiled_mem_bandwidth > 0 else self.mem_bandwidth
 
     def flops(self, dtype_name: str) -> float:
         """Peak dense FLOP/s for a dtype name; dtypes without an entry use float32's peak."""
@@ -171,11 +208,12 @@ class HardwareSpec:
 _FIELDS = ("name", "peak_flops", "mem_bandwidth", "mem_capacity", "intra_node", "inter_node",
            "devices_per_node", "compute_efficiency", "collectives", "op_overhead", "param_step_overhead",
            "transcendental_rate", "attention_efficiency", "attention_backward_efficiency", "sync_latency",
-           "fused_step_overhead")
+           "fused_step_overhead", "compiled_op_overhead", "compiled_mem_bandwidth", "compiled", "in_step_scale")
 _REQUIRED = _FIELDS[:7]
 _OPTIONAL = {"op_overhead": 0.0, "param_step_overhead": 0.0, "transcendental_rate": 0.0,   # default when absent
              "attention_efficiency": 1.0, "attention_backward_efficiency": 1.0, "sync_latency": 0.0,
-             "fused_step_overhead": 0.0}
+             "fused_step_overhead": 0.0, "compiled_op_overhead": 0.0, "compiled_mem_bandwidth": 0.0,
+             "compiled": False, "in_step_scale": 1.0}
 _FIX = "fix the field or regenerate the profile with HardwareSpec.save()"
 
 
@@ -219,8 +257,13 @@ def _validate(spec: HardwareSpec) -> None:
     _check_non_negative("transcendental_rate", spec.transcendental_rate)
     _check_non_negative("sync_latency", spec.sync_latency)
     _check_non_negative("fused_step_overhead", spec.fused_step_overhead)
+    _check_non_negative("compiled_op_overhead", spec.compiled_op_overhead)
+    _check_non_negative("compiled_mem_bandwidth", spec.compiled_mem_bandwidth)
+    if not isinstance(spec.compiled, bool):
+        raise HardwareError(f"field 'compiled' must be true or false, got {spec.compiled!r}; {_FIX}")
     _check_positive("attention_efficiency", spec.attention_efficiency)
     _check_positive("attention_backward_efficiency", spec.attention_backward_efficiency)
+    _check_positive("in_step_scale", spec.in_step_scale)
     if not isinstance(spec.collectives, dict) or not set(spec.collectives) <= set(LINK_KINDS):
         raise HardwareError(f"field 'collectives' must map {LINK_KINDS} to collective fits; {_FIX}")
     for link_kind, fits in spec.collectives.items():

@@ -355,7 +355,8 @@ def totals_lines(plan) -> list[str]:
     sizes = ", ".join(f"{s[k]} {k}" for k in ("nodes", "edges") if k in s)
     lines = [
         f"step time {format_seconds(plan.predicted_step_time)} = compute {format_seconds(plan.predicted_compute_time)}"
-        f" + communication {format_seconds(plan.predicted_comm_time)} + bubble {format_seconds(bubble)}",
+        f" + communication {format_seconds(plan.predicted_comm_time)} + bubble {format_seconds(bubble)}"
+        f"; {program_priced(plan)} program",
         f"memory    {format_bytes(plan.memory_per_device)} per device = "
         + " + ".join(f"{k} {format_bytes(mem.get(k, 0.0))}" for k in ("params", "grads", "optimizer", "activations"))
         + f"; {budget}",
@@ -379,11 +380,17 @@ def totals_lines(plan) -> list[str]:
     return lines
 
 
+def program_priced(plan) -> str:
+    """Which per-rank program the plan's times price: "compiled" (by Inductor) for a plan made with compile=True
+    (fused kernels, `autopar/planning/fusion.py`), else "eager" (one dispatched ATen call per op)."""
+    return "compiled" if plan.mesh.hardware.compiled else "eager"
+
+
 def uncalibrated_note(plan) -> list[str]:
     """For a plan priced on the `cpu` preset: its figures were measured once on another machine (a
     plan for this one can be off by 2x), and how to price this machine instead. Nothing otherwise
     (a calibrated profile, or a GPU preset: datasheet figures for the device it names)."""
-    if plan.mesh.hardware != PRESETS["cpu"]:
+    if plan.mesh.hardware.for_program(False) != PRESETS["cpu"]:
         return []
     return ["          (uncalibrated: the `cpu` preset's figures, from another machine; to price this one, run",
             f"          torchrun --nproc_per_node {plan.mesh.size} -m autopar calibrate --out hw.json; "

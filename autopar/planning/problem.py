@@ -7,7 +7,10 @@ producer and are folded into edges). For strategy s of node v:
                    trainable parameter, its optimizer step: state bytes / bandwidth + the
                    hardware's per-tensor `param_step_overhead` (`fused_step_overhead` for a
                    "fused_" optimizer: pmodel.optimizer); for a view op (an alias), the
-                   hardware's `op_overhead` alone (a dispatched call, no bytes; the same for every s)
+                   hardware's `op_overhead` alone (a dispatched call, no bytes; the same for every s).
+                   A plan priced as compiled (`HardwareSpec.compiled`, `compile=True`) prices each op as
+                   its part of Inductor's kernels (`autopar.planning.fusion`): views free, fused chains
+                   one pass over what enters and leaves them, one `kernel_overhead` per kernel
     memory[v, s] = parameter + gradient + optimizer bytes (parameters), or the local bytes of
                    outputs saved for backward (forward ops whose value a backward op reads)
 Edge (u, v): time[a, b] = reshard(u's output spec under a -> v's required input spec under b).
@@ -29,7 +32,6 @@ from autopar.graph import (
     NAME,
     PHASE,
     ROLE,
-    VIEW_OPS,
     is_getitem,
     layer_of,
     nbytes_of,
@@ -40,6 +42,7 @@ from autopar.graph import (
 )
 from autopar.placement import kind, local_fraction, replicated
 from autopar.planning.costgraph import CostEdge, CostGraph, CostNode
+from autopar.planning.fusion import FREE_OPS, Kernel, compiled_kernels  # FREE_OPS: aliases, no kernel, no bytes
 from autopar.planning.reshard import ReshardCost
 from autopar.sharding.params import input_strategies, param_memory, param_strategies
 from autopar.sharding.rules import IN_OP_COLLECTIVES, in_op_collectives
@@ -49,7 +52,6 @@ from autopar.sharding.strategies import NodeStrategy, StrategyEnumerator, prune_
 # "params" are the stored (master) shards and buffers; "gathered_params" the whole copies ZeRO-1/2
 # gather once per step; "activations" the forward values kept for backward.
 CATEGORIES = ("params", "gathered_params", "grads", "optimizer", "activations")
-FREE_OPS = VIEW_OPS - {torch.ops.aten.clone, torch.ops.aten._to_copy}  # aliases: no kernel, no bytes
 
 
 @dataclass
@@ -107,8 +109,12 @@ def split_factor(strat: NodeStrategy, axis_sizes) -> int:
     return f
 
 
-def _node_compute(node: fx.Node, strats: list[NodeStrategy], hw, axis_sizes) -> np.ndarray:
-    if packet(node) in FREE_OPS:  # an alias moves no bytes, but the per-rank graph still dispatches it
+def _node_compute(node: fx.Node, strats: list[NodeStrategy], hw, axis_sizes, kernel: Kernel | None = None) -> np.ndarray:
+    """Seconds per strategy of `node`: as the eager FX program runs it (`kernel` None), or as its part of a
+    compiled program's kernels (`kernel`: `autopar.planning.fusion`)."""
+    if kernel is not None and kernel.role == "free":   # folded into its readers' indexing
+        return np.zeros(len(strats))
+    if kernel is None and packet(node) in FREE_OPS:  # an alias moves no bytes, but the per-rank graph still dispatches it
         return np.full(len(strats), compute.view_time(hw))
     args = fx.node.map_arg(node.args, val_of)
     kwargs = fx.node.map_arg(node.kwargs, val_of)
@@ -117,6 +123,12 @@ def _node_compute(node: fx.Node, strats: list[NodeStrategy], hw, axis_sizes) -> 
     in_bytes = [nbytes_of(val_of(a)) for a in node.all_input_nodes]
     outs = out if isinstance(out, (tuple, list)) else (out,)
     out_bytes = [nbytes_of(o) for o in outs]
+    overhead = bandwidth = None
+    if kernel is not None:   # a fused op moves only what enters or leaves its chain; a kernel's end launches it
+        in_bytes = [b if read else 0.0 for b, read in zip(in_bytes, kernel.reads)]
+        out_bytes = [b if write else 0.0 for b, write in zip(out_bytes, kernel.writes)]
+        overhead = hw.kernel_overhead if kernel.launches else 0.0
+        bandwidth = hw.fused_bandwidth if kernel.role == "fused" else hw.mem_bandwidth
     dtype = next((o.dtype for o in outs if isinstance(o, torch.Tensor)), torch.float32)
     # exp-class ops: one transcendental per output element
     out_elements = [float(o.numel()) if isinstance(o, torch.Tensor) and compute.is_transcendental(node.target)
@@ -128,7 +140,8 @@ def _node_compute(node: fx.Node, strats: list[NodeStrategy], hw, axis_sizes) -> 
         local += sum(b * local_fraction(spec, axis_sizes) for b, spec in zip(out_bytes, s.outs) if spec is not None)
         elements = sum(e * local_fraction(spec, axis_sizes) for e, spec in zip(out_elements, s.outs)
                        if spec is not None)
-        times[k] = compute.op_time(flops / split_factor(s, axis_sizes), local, hw, dtype, elements, efficiency)
+        times[k] = compute.op_time(flops / split_factor(s, axis_sizes), local, hw, dtype, elements, efficiency,
+                                   overhead=overhead, bandwidth=bandwidth)
     return times
 
 
@@ -165,6 +178,8 @@ class ProblemBuilder:
         self.fused_step = steps_local_shards(optimizer)   # pmodel.optimizer steps it: fused_step_overhead
         self.enumerate = enumerator or StrategyEnumerator(self.axis_sizes)
         self.reshard = ReshardCost(mesh)
+        # a plan priced as compiled: each op's part of Inductor's kernels (autopar/planning/fusion.py)
+        self.kernels = compiled_kernels(self.gm) if self.hw.compiled else {}
         self._matrices: dict[tuple, np.ndarray] = {}
         # Identical layers repeat (strategy list, op signature) pairs: costs are priced once per pair.
         # Keys hold id() of strategy lists; each entry also holds the lists, so an id is never reused.
@@ -226,8 +241,10 @@ class ProblemBuilder:
             if node.op == "placeholder":
                 prob.compute.append(self._placeholder_costs(node, strats, mem, comm, opt_bytes))
             else:
-                prob.compute.append(self._memoized(("compute", id(strats), self.enumerate.signature[node]), (strats,),
-                                                   lambda: _node_compute(node, strats, self.hw, self.axis_sizes)))
+                kernel = self.kernels.get(node)
+                prob.compute.append(self._memoized(("compute", id(strats), self.enumerate.signature[node], kernel),
+                                                   (strats,),
+                                                   lambda: _node_compute(node, strats, self.hw, self.axis_sizes, kernel)))
                 if node.target in IN_OP_COLLECTIVES:  # collectives inside the op (MoE expert dispatch)
                     comm[:] = [sum(self.reshard.step_time(st) for st in in_op_collectives(node, s, self.axis_sizes))
                                for s in strats]
