@@ -190,6 +190,15 @@ def inductor_compile(gm: torch.fx.GraphModule, example_args: list, config_patche
     return compile_fx(gm, fakes, inner_compile=inner, config_patches=config_patches)
 
 
+# Inductor config for compile="cudagraphs": its cudagraph trees around the compiled code (static shapes).
+CUDA_GRAPH_PATCHES = {"triton.cudagraphs": True, "triton.cudagraph_trees": True}
+
+
+def cudagraph_step_begin() -> None:
+    """Tell the cudagraph trees a new step begins (the previous replay's outputs may be overwritten)."""
+    torch.compiler.cudagraph_mark_step_begin()
+
+
 def output_source(output_code) -> str:
     """The Python wrapper Inductor generated for a compiled graph ('' where it kept none)."""
     return getattr(output_code, "source_code", "") or ""

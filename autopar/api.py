@@ -85,7 +85,7 @@ def autoparallelize(model: nn.Module, example_inputs, *, mesh: Mesh | tuple | No
                     baselines: bool | None = None, mixed_precision: Precision = None,
                     recompute: Recompute = None, num_stages: int | str | None = "auto", num_microbatches: int | None = None,
                     schedule: str | None = None, virtual_stages: int | None = None, search: str = "fast",
-                    compile: bool | None = None) -> ParallelModule | PipelinedModule:
+                    compile: bool | str | None = None) -> ParallelModule | PipelinedModule:
     """Plan (or reuse `plan`), rewrite and return a module that trains on this rank of the job.
 
     `mesh=None`: a 1-D mesh over the torchrun world, priced on a given plan's hardware, else on CPU
@@ -97,15 +97,20 @@ def autoparallelize(model: nn.Module, example_inputs, *, mesh: Mesh | tuple | No
     (CUDA when this machine has it). `verify=True` checks the IR between passes (autopar/ir.py).
     `baselines` (price the textbook recipes for the plan's comparison table) defaults to yes for SPMD
     plans and the layout search, no for a forced pipeline (a recipe there is a solve per stage layout).
-    `compile=True` runs each rank's program (each stage's, pipelined) as code Inductor generates at the first
-    step; None takes the faster measured choice for the device type (`autopar.runtime.compile`). The plan made
-    here is priced for the program that runs (`plan(..., compile=)`); a given `plan` keeps its own pricing.
+    `compile=True` runs each rank's program (each stage's, pipelined: its forward, backward and once-per-step
+    ZeRO-1/2 gather programs) as code Inductor generates at the first step; `compile="cudagraphs"` also replays
+    that code as CUDA graphs (Inductor's cudagraph trees; CUDA only, else InputError; every step must feed the
+    same shapes, else InputError); None takes the faster measured choice for the device type
+    (`autopar.runtime.compile`, docs/performance.md). `repr(pmodel)` and `pmodel.compile_seconds` report the
+    first step's compile time; Inductor's FX graph cache serves a restarted job with the same program.
+    The plan made here is priced for the program that runs (`plan(..., compile=)`); a given `plan` keeps its
+    own pricing.
     The other options are `plan`'s."""
     _, world = init_distributed(device)
     compile = resolve_compile(compile, device_type())
     if device_type() == "cpu":
         keep_freed_memory()  # else glibc page-faults every step's activations in again (runtime/cpu_memory.py)
-    mesh = _world_mesh(mesh, world, plan).for_program(compile if plan is None else plan.mesh.hardware.compiled)
+    mesh = _world_mesh(mesh, world, plan).for_program(bool(compile) if plan is None else plan.mesh.hardware.compiled)
     if plan is None and _searches(num_stages, strategy, mesh):  # search; the plan brings its mesh, micro-batches, schedule
         plan = broadcast_plan(lambda: _search(
             model, example_inputs, mesh=mesh, memory_budget=memory_budget, optimizer=optimizer, loss_fn=loss_fn,

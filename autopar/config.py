@@ -9,6 +9,7 @@
 | AUTOPAR_KEEP_CPU_MEMORY | 1 | 0: leave glibc's malloc thresholds as they are (`autopar/runtime/cpu_memory.py`) |
 | AUTOPAR_CALIBRATE | 1 | 0: a CPU `autoparallelize` with no mesh plans on the uncalibrated `cpu` preset instead of this machine's profile, measured at first use and cached (`autopar/calibration/machine.py`) |
 | AUTOPAR_CACHE_DIR | ~/.cache/autopar | where those profiles are cached ($XDG_CACHE_HOME/autopar when that is set) |
+| AUTOPAR_COMPILE_OVERLAP | unset | how a compiled program's collectives overlap compute: `inductor`, `layers` or `program` (`autopar.runtime.compile.OVERLAP`); unset: the measured default for the device type |
 
 Each is read when it is used (not at import), so a test or a script may set it at any time.
 The launcher's own variables (RANK, WORLD_SIZE, LOCAL_RANK, ...) are torch's, read where they are used.
@@ -25,6 +26,7 @@ CAPTURE_CACHE = "AUTOPAR_CAPTURE_CACHE"
 KEEP_CPU_MEMORY = "AUTOPAR_KEEP_CPU_MEMORY"
 CALIBRATE = "AUTOPAR_CALIBRATE"
 CACHE_DIR = "AUTOPAR_CACHE_DIR"
+COMPILE_OVERLAP = "AUTOPAR_COMPILE_OVERLAP"
 _OFF = ("0", "false", "off", "no")
 
 
@@ -62,3 +64,8 @@ def cache_dir() -> Path:
     if os.environ.get(CACHE_DIR):
         return Path(os.environ[CACHE_DIR]).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "autopar"
+
+
+def compile_overlap() -> str | None:
+    """AUTOPAR_COMPILE_OVERLAP (unchecked; `autopar.runtime.compile.overlap_mode` checks it), None when unset."""
+    return os.environ.get(COMPILE_OVERLAP, "").strip().lower() or None

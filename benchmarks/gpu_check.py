@@ -7,9 +7,10 @@
    `compile=True`, against the unmodified model with the same AdamW, 3 steps (rtol 1e-4 / atol 1e-5).
 2. Step time, world 1, for GPT-2 124M (autopar's GPT, batch 8 x 1024) and a 1B Llama shape (transformers'
    LlamaForCausalLM with Llama-3.2-1B's config: 16 layers, hidden 2048, 32 heads, 8 kv heads, MLP 8192,
-   vocabulary 128256, tied embeddings; batch 4 x 1024), each in bf16 (autocast) and fp32, two rows each:
+   vocabulary 128256, tied embeddings; batch 4 x 1024), each in bf16 (autocast) and fp32, a row per program:
      eager     autopar's eager FX program            against the unmodified model in eager PyTorch
      compiled  autopar compile=True (Inductor)       against the unmodified model under torch.compile
+     cudagraphs autopar compile="cudagraphs"         against torch.compile(mode="reduce-overhead") (CUDA only)
    Both sides step with fused AdamW (autopar: `pmodel.optimizer`, planned as "fused_adamw"). Each row prints
    the plan's predicted step (`--hardware`; a compiled row's plan is priced as the compiled program),
    autopar's measured median step, predicted / measured (target within +-15%), the reference's median and
@@ -84,7 +85,7 @@ def tokens(vocab: int, b: int, t: int, seed: int) -> tuple[torch.Tensor, torch.T
     return x[:, :-1].contiguous().to(DEV), x[:, 1:].contiguous().to(DEV)
 
 
-def check_numerics(compile: bool = False) -> str:
+def check_numerics(compile: bool | str = False) -> str:
     """3 AdamW steps of autopar (world 1; `compile`: its program compiled by Inductor) and of the unmodified
     model; largest differences."""
     torch.manual_seed(0)
@@ -138,7 +139,7 @@ def timed(step, batches, warmup: int, steps: int) -> tuple[float, float]:
 class Row:
     workload: str
     precision: str
-    program: str      # "eager" | "compiled"
+    program: str      # "eager" | "compiled" | "cudagraphs"
     predicted: float
     measured: float
     reference: float
@@ -147,8 +148,8 @@ class Row:
     setup: float
 
     def line(self) -> str:
-        ref = "torch.compile" if self.program == "compiled" else "eager PyTorch"
-        target = 1.00 if self.program == "compiled" else 1.05
+        ref = REFERENCE[self.program]
+        target = 1.05 if self.program == "eager" else 1.00
         return (f"{self.workload} {self.precision} {self.program}: predicted {self.predicted * 1e3:.1f} ms, autopar "
                 f"{self.measured * 1e3:.1f} ms (predicted/measured {self.predicted / self.measured:.2f}, target "
                 f"0.85-1.15), {ref} {self.reference * 1e3:.1f} ms (autopar/{ref} {self.measured / self.reference:.2f}, "
@@ -156,9 +157,10 @@ class Row:
                 f"({ref}: {self.reference_first:.1f} s)")
 
 
-def run_row(w: Workload, precision: str, compile: bool, hardware: str, warmup: int) -> Row:
-    """autopar (`compile`: its compiled program) against the unmodified model (`compile`: under torch.compile),
-    both in `precision` with fused AdamW, and the plan's prediction."""
+def run_row(w: Workload, precision: str, compile: bool | str, hardware: str, warmup: int) -> Row:
+    """autopar (`compile`: its compiled program; "cudagraphs": replayed as CUDA graphs) against the unmodified
+    model (under torch.compile; "cudagraphs": mode="reduce-overhead"), both in `precision` with fused AdamW,
+    and the plan's prediction."""
     torch.manual_seed(0)
     base = w.build().to(DEV)
     mp = "bf16" if precision == "bf16" else None
@@ -180,7 +182,7 @@ def run_row(w: Workload, precision: str, compile: bool, hardware: str, warmup: i
         torch.cuda.empty_cache()
 
     ref_opt = torch.optim.AdamW(base.parameters(), lr=1e-4, fused=DEV == "cuda")
-    run = torch.compile(base) if compile else base
+    run = torch.compile(base, mode="reduce-overhead" if compile == "cudagraphs" else "default") if compile else base
 
     def ref_step(args, kwargs):
         with torch.autocast(DEV, dtype=torch.bfloat16, enabled=mp is not None):
@@ -191,8 +193,14 @@ def run_row(w: Workload, precision: str, compile: bool, hardware: str, warmup: i
     base = run = ref_opt = None
     if DEV == "cuda":
         torch.cuda.empty_cache()
-    return Row(w.name, precision, "compiled" if compile else "eager", predicted, measured, reference, first,
-               ref_first, setup)
+    return Row(w.name, precision, program_name(compile), predicted, measured, reference, first, ref_first, setup)
+
+
+REFERENCE = {"eager": "eager PyTorch", "compiled": "torch.compile", "cudagraphs": "torch.compile reduce-overhead"}
+
+
+def program_name(compile: bool | str) -> str:
+    return {False: "eager", True: "compiled", "cudagraphs": "cudagraphs"}[compile]
 
 
 def table(rows: list[Row]) -> str:
@@ -203,8 +211,8 @@ def table(rows: list[Row]) -> str:
         lines.append(f"{r.workload:<12}{r.precision:<6}{r.program:<10}{r.predicted * 1e3:>13.1f}{r.measured * 1e3:>11.1f}"
                      f"{r.predicted / r.measured:>10.2f}{r.reference * 1e3:>13.1f}{r.measured / r.reference:>12.2f}"
                      f"{r.first:>9.1f}{r.reference_first:>12.1f}")
-    lines.append("reference: eager PyTorch for eager rows, torch.compile for compiled rows; targets: predicted/measured "
-                 "0.85-1.15, autopar/ref <= 1.05 (eager), <= 1.00 (compiled)")
+    lines.append("reference: eager PyTorch for eager rows, torch.compile for compiled rows (mode='reduce-overhead' for "
+                 "cudagraphs rows); targets: predicted/measured 0.85-1.15, autopar/ref <= 1.05 (eager), <= 1.00 (compiled)")
     return "\n".join(lines)
 
 
@@ -219,7 +227,8 @@ def main(argv=None) -> None:
     p.add_argument("--skip-numerics", action="store_true")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of this script")
     p.add_argument("--tiny", "--small", action="store_true", help="2-layer models instead of GPT-2 124M / Llama-1B")
-    p.add_argument("--no-compile", action="store_true", help="skip the compiled rows (compile=True, torch.compile)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="skip the compiled rows (compile=True and 'cudagraphs', torch.compile)")
     args = p.parse_args(argv)
     global DEV
     DEV = args.device
@@ -231,7 +240,8 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     print(f"{torch.cuda.get_device_name() if DEV == 'cuda' else 'CPU'} torch {torch.__version__}, hardware "
           f"{args.hardware}", flush=True)
-    programs = (False,) if args.no_compile else (False, True)
+    # CUDA graphs need CUDA (autoparallelize raises InputError on CPU; tested in tests/test_compile.py)
+    programs = (False,) if args.no_compile else (False, True) + (("cudagraphs",) if DEV == "cuda" else ())
     if not args.skip_numerics:
         for compile in programs:
             print(check_numerics(compile), flush=True)
@@ -241,7 +251,7 @@ def main(argv=None) -> None:
     for precision in args.precisions.split(","):
         for w in workloads:
             for compile in programs:
-                label = f"{w.name} {precision} {'compiled' if compile else 'eager'}"
+                label = f"{w.name} {precision} {program_name(compile)}"
                 if time.perf_counter() - start > args.budget:
                     print(f"{label}: skipped (--budget {args.budget:.0f} s spent)", flush=True)
                     continue

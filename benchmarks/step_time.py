@@ -405,6 +405,8 @@ def main(argv=None) -> None:
         for v in variants:
             if v.name == "autopar auto":
                 print(chosen_plan(v.plan))
+            if v.compiled and v.name.startswith("autopar"):   # compile seconds, FX graph cache hits, overlap
+                print(f"{v.name}: {v.module.extra_repr()}")
         print(f"load average (1, 5, 15 min) at the start: {load0}, at the end: {os.getloadavg()}")
         print("median s: slowest rank, barrier to barrier; cpu s: median CPU time of the slowest rank (what "
               "to compare on a loaded machine); optim: rank 0's AdamW step alone; predicted: the plan's "

@@ -89,18 +89,20 @@ def op_time(flops: float, nbytes: float, hw: HardwareSpec, dtype: torch.dtype | 
             bandwidth: float | None = None) -> float:
     """Roofline seconds: the largest of compute time at achievable peak (times `efficiency`, see
     `flop_efficiency`), memory-traffic time and, for `elements` of an exp-class op, their time at
-    `transcendental_rate`; plus the per-launch overhead (`ROOFLINE` evaluated in floats).
+    `transcendental_rate`; plus the per-launch overhead (`ROOFLINE` evaluated in floats); all of it
+    times `in_step_scale` (a calibrated profile's ratio of a step's op seconds to the benchmarks').
     `overhead` and `bandwidth` replace the eager program's `op_overhead` and `mem_bandwidth` (a compiled
     program's kernel: `HardwareSpec.kernel_overhead`, `fused_bandwidth`; `autopar/planning/fusion.py`)."""
     compute = flops / (hw.flops(dtype_name(dtype)) * hw.compute_efficiency * efficiency)
     special = elements / hw.transcendental_rate if hw.transcendental_rate else 0.0
     memory = nbytes / (hw.mem_bandwidth if bandwidth is None else bandwidth)
-    return max(compute, memory, special) + (hw.op_overhead if overhead is None else overhead)
+    return (max(compute, memory, special) + (hw.op_overhead if overhead is None else overhead)) * hw.in_step_scale
 
 
 def view_time(hw: HardwareSpec) -> float:
-    """Seconds of one view op (an alias: no kernel, no bytes): the dispatch overhead `op_overhead`."""
-    return hw.op_overhead
+    """Seconds of one view op (an alias: no kernel, no bytes): the dispatch overhead `op_overhead`
+    (times `in_step_scale`)."""
+    return hw.op_overhead * hw.in_step_scale
 
 
 def explain_compute(flops: float, nbytes: float, hw: HardwareSpec,
@@ -119,9 +121,12 @@ def explain_compute(flops: float, nbytes: float, hw: HardwareSpec,
     bound = ("compute bound" if compute >= max(memory, special)
              else "memory bound" if memory >= special else "transcendental bound")
     third = (f", {elements:.3g} / {hw.transcendental_rate:.3g}/s" if special else "")
-    return (f"max(F/(η·P), M/W{', E/T' if special else ''}) + o = max({flops / 1e9:.3g} GFLOP / "
-            f"({eta:.3g}·{peak / 1e12:.3g} TFLOP/s), {format_bytes(nbytes)} / "
-            f"{format_bytes(hw.mem_bandwidth)}/s{third}) + {format_seconds(hw.op_overhead)} = "
+    formula = f"max(F/(η·P), M/W{', E/T' if special else ''}) + o"
+    numbers = (f"max({flops / 1e9:.3g} GFLOP / ({eta:.3g}·{peak / 1e12:.3g} TFLOP/s), {format_bytes(nbytes)} / "
+               f"{format_bytes(hw.mem_bandwidth)}/s{third}) + {format_seconds(hw.op_overhead)}")
+    if hw.in_step_scale != 1.0:   # a calibrated profile: the in-step scale s multiplies the whole
+        formula, numbers = f"({formula}) × s", f"({numbers}) × {hw.in_step_scale:.2f}"
+    return (f"{formula} = {numbers} = "
             f"{format_seconds(op_time(flops, nbytes, hw, dtype, elements, efficiency))} ({bound})")
 
 

@@ -77,6 +77,12 @@ class HardwareSpec:
     per node), True the compiled one (views free, memory-bound chains fused into one pass over their inputs
     and outputs, `autopar/planning/fusion.py`). It is a pricing choice, not a figure of the device:
     `autopar.plan(..., compile=True)` and `autoparallelize(compile=True)` set it (`for_program`).
+    `in_step_scale` is how much longer a training step's ops take than the isolated benchmarks price
+    them: in a step, operands come cold from the ops before and the other ranks share the caches and
+    memory. `autopar calibrate` runs a reference training graph as a step runs it, on every rank at
+    once, and divides its measured seconds by the seconds the fitted rates give it; every op's time
+    (`costmodel.compute.op_time`, `view_time`; a compiled program's kernels too: the same operands
+    come cold) is multiplied by it. Presets 1.
     """
 
     name: str
@@ -97,6 +103,7 @@ class HardwareSpec:
     fused_step_overhead: float = 0.0  # param_step_overhead under pmodel.optimizer (0: unmeasured)
     compiled_op_overhead: float = 0.0    # seconds per kernel of a compiled program (0: unmeasured)
     compiled_mem_bandwidth: float = 0.0  # bytes/s of a fused kernel's one pass (0: unmeasured)
+    in_step_scale: float = 1.0        # a step's op seconds / the isolated benchmarks' (calibrated; presets 1)
     compiled: bool = False            # price the compiled program (True) or the eager FX one
 
     def __post_init__(self) -> None:
@@ -107,7 +114,7 @@ class HardwareSpec:
         for name in ("mem_bandwidth", "mem_capacity", "compute_efficiency", "op_overhead",
                      "param_step_overhead", "transcendental_rate", "attention_efficiency",
                      "attention_backward_efficiency", "sync_latency", "fused_step_overhead",
-                     "compiled_op_overhead", "compiled_mem_bandwidth"):
+                     "compiled_op_overhead", "compiled_mem_bandwidth", "in_step_scale"):
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "collectives", {k: dict(v) for k, v in self.collectives.items()})
 
@@ -201,12 +208,12 @@ class HardwareSpec:
 _FIELDS = ("name", "peak_flops", "mem_bandwidth", "mem_capacity", "intra_node", "inter_node",
            "devices_per_node", "compute_efficiency", "collectives", "op_overhead", "param_step_overhead",
            "transcendental_rate", "attention_efficiency", "attention_backward_efficiency", "sync_latency",
-           "fused_step_overhead", "compiled_op_overhead", "compiled_mem_bandwidth", "compiled")
+           "fused_step_overhead", "compiled_op_overhead", "compiled_mem_bandwidth", "compiled", "in_step_scale")
 _REQUIRED = _FIELDS[:7]
 _OPTIONAL = {"op_overhead": 0.0, "param_step_overhead": 0.0, "transcendental_rate": 0.0,   # default when absent
              "attention_efficiency": 1.0, "attention_backward_efficiency": 1.0, "sync_latency": 0.0,
              "fused_step_overhead": 0.0, "compiled_op_overhead": 0.0, "compiled_mem_bandwidth": 0.0,
-             "compiled": False}
+             "compiled": False, "in_step_scale": 1.0}
 _FIX = "fix the field or regenerate the profile with HardwareSpec.save()"
 
 
@@ -256,6 +263,7 @@ def _validate(spec: HardwareSpec) -> None:
         raise HardwareError(f"field 'compiled' must be true or false, got {spec.compiled!r}; {_FIX}")
     _check_positive("attention_efficiency", spec.attention_efficiency)
     _check_positive("attention_backward_efficiency", spec.attention_backward_efficiency)
+    _check_positive("in_step_scale", spec.in_step_scale)
     if not isinstance(spec.collectives, dict) or not set(spec.collectives) <= set(LINK_KINDS):
         raise HardwareError(f"field 'collectives' must map {LINK_KINDS} to collective fits; {_FIX}")
     for link_kind, fits in spec.collectives.items():

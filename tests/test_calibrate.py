@@ -1,6 +1,7 @@
 """Calibration: alpha-beta fits from timings, profiles on disk, and a real 2-rank gloo run."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 from autopar._testing.dist_utils import run_distributed
 from autopar.calibration.fit import Sample, fit_alpha_beta, fit_line, fit_links
 from autopar.calibration.measure import build_profile, calibrate, parse_size, size_range
-from autopar.costmodel import comm
+from autopar.costmodel import comm, compute
 from autopar.costmodel.hardware import CPU, H100, HardwareSpec, LinkSpec, get_hardware
 from autopar.errors import HardwareError, InputError
 from autopar.inspection.cli import main
@@ -123,6 +124,20 @@ def test_attention_efficiencies_are_attention_flops_over_matmul_flops(tmp_path):
     assert get_hardware(tmp_path / "p.json") == spec
 
 
+def test_in_step_scale_multiplies_every_op_and_round_trips(tmp_path):
+    base = build_profile(CPU, [], matmul_flops=40e9, mem_bandwidth=2e10, op_overhead=8e-6, devices_per_node=None,
+                         transcendental_rate=5e8)
+    scaled = dataclasses.replace(base, in_step_scale=1.4)
+    for flops, nbytes, elements in ((2e9, 1e6, 0), (0, 4e6, 0), (1e3, 4e5, 1e5)):   # compute, memory, exp bound
+        assert compute.op_time(flops, nbytes, scaled, "float32", elements) == pytest.approx(
+            1.4 * compute.op_time(flops, nbytes, base, "float32", elements))
+    assert compute.view_time(scaled) == pytest.approx(1.4 * 8e-6)
+    assert "× 1.40" in compute.explain_compute(2e9, 1e6, scaled) and "×" not in compute.explain_compute(2e9, 1e6, base)
+    scaled.save(tmp_path / "p.json")
+    assert get_hardware(tmp_path / "p.json") == scaled
+    assert "in_step_scale" not in base.to_json()   # the default (presets: 1) stays out of the JSON
+
+
 @pytest.mark.parametrize("text, message", [
     ('{"name": "x", ', "not valid JSON"),
     ('__import__("os").system("touch pwned")', "not valid JSON"),
@@ -136,7 +151,7 @@ def test_corrupt_or_incomplete_profile_is_a_clear_error(tmp_path, text, message)
     assert not (tmp_path / "pwned").exists()
 
 
-@pytest.mark.parametrize("field", ["op_overhead", "param_step_overhead", "sync_latency"])
+@pytest.mark.parametrize("field", ["op_overhead", "param_step_overhead", "sync_latency", "in_step_scale"])
 def test_bad_overheads_are_clear_errors(field):
     data = H100.to_json()
     assert "op_overhead" not in data   # unset fields stay out of the JSON
@@ -158,13 +173,19 @@ def _calibrate_worker(rank, world, out):
     assert cpu_memory._state is not None   # measured under the allocator settings programs run with
     if rank == 0:
         result.spec.save(out)
-    return result.spec.to_json()
+    reference = result.reference
+    return result.spec.to_json(), (reference.measured, reference.priced, reference.ops)
 
 
 def test_real_calibration_two_ranks(tmp_path):
     out = tmp_path / "profile.json"
-    specs = run_distributed(_calibrate_worker, 2, str(out), timeout=240)   # + compiling calibration programs
+    results = run_distributed(_calibrate_worker, 2, str(out), timeout=240)   # + compiling calibration programs
+    specs = [spec for spec, _ in results]
     assert specs[0] == specs[1]   # every rank fits the same profile
+    (measured, priced, ops), _ = results[0][1], results[1][1]
+    assert results[0][1] == results[1][1]   # the slowest rank's reference step, on every rank
+    assert ops > 100 and measured > 0 and priced > 0
+    assert specs[0]["in_step_scale"] == pytest.approx(measured / priced)   # measured, not the preset's 1
     spec = get_hardware(out)
     assert set(spec.collectives["intra"]) == set(KINDS)
     assert all(link.latency >= 0 and link.bandwidth > 0 for link in spec.collectives["intra"].values())

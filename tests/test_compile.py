@@ -8,9 +8,13 @@ program's (Inductor reorders fp32 sums: ~1e-6 here); bf16 (autocast) as tests/te
 another rounding may take: 2 * 3 * lr).
 
 "No graph break": a compiled program is the whole per-rank GraphModule handed to Inductor without Dynamo,
-so the honest count is of Inductor graphs per program (one) and of Dynamo's graph breaks (none: Dynamo
-never runs); the generated code itself must hold the step's collectives (start and wait), not call back
-into Python for them.
+so the honest count is of Inductor graphs per program (one), of programs run per step (one SPMD program;
+a pipeline stage's gather once, forward and backward once per micro-batch) and of Dynamo's graph breaks
+(none: Dynamo never runs); the generated code itself must hold the step's collectives (start and wait),
+not call back into Python for them. A ZeRO-3 program's compiled code starts one parameter gather per layer
+and phase, as the plan prices (`overlap` "layers", autopar/runtime/compile.py). A second process compiling
+the same program loads it from Inductor's FX graph cache. CUDA graphs (compile="cudagraphs") cannot run
+here: on CPU they raise InputError.
 
 Inductor compiles on 2 shared cores are slow (C++ codegen and g++ per kernel): tiny models only, and one
 Inductor cache for every rank and test (TORCHINDUCTOR_CACHE_DIR, set below unless the caller set one; its
@@ -19,9 +23,13 @@ first compiles 1-7 s), 11 min from a cold one at load 10-15 (first compiles 40-8
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
 import os
 import re
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -40,6 +48,8 @@ BF16_PARAM_ATOL = 2 * STEPS * LR
 COLLECTIVE = re.compile(r"_c10d_functional\.(\w+)\.default")
 KERNEL = re.compile(r"^\s+(cpp_fused_\w+|extern_kernels\.\w+)\(", re.M)
 
+PP_DP = {"pp2 x dp2 zero2": dict(mesh=((2, 2), ("pp", "dp")), strategy={"dp": "zero2"}, schedule="1f1b",
+                                 num_microbatches=2)}
 MODELS = {"gpt": lambda: models.tiny_gpt(batch=4, seq=16), "llama": lambda: models.tiny_llama(batch=4, seq=16)}
 CONFIGS = {"dp": dict(strategy="dp"), "zero3": dict(strategy="zero3"), "tp": dict(strategy="tp"),
            "auto": dict(strategy="auto"), "pp2": dict(num_stages=2, schedule="1f1b", num_microbatches=2)}
@@ -48,9 +58,37 @@ CONFIGS = {"dp": dict(strategy="dp"), "zero3": dict(strategy="zero3"), "tp": dic
 # ---------------------------------------------------------------- helpers (also run in spawned ranks)
 
 def _programs(pmodel) -> list:
-    if hasattr(pmodel, "program"):
-        return [pmodel.program]
-    return [g for s in pmodel._stages for g in (s.program.forward, s.program.backward)]
+    return [pmodel.program] if hasattr(pmodel, "program") else pmodel.programs()
+
+
+
+@contextlib.contextmanager
+def _overlap(mode):
+    """AUTOPAR_COMPILE_OVERLAP=mode while a module is built (None: the device's default)."""
+    if mode is None:
+        yield
+        return
+    os.environ["AUTOPAR_COMPILE_OVERLAP"] = mode
+    try:
+        yield
+    finally:
+        del os.environ["AUTOPAR_COMPILE_OVERLAP"]
+
+
+def _physical_gathers(gm) -> int:
+    """All-gathers a program issues: each all_gather node, each layer's fused gather (bucket_layer_gathers: one
+    25 MB bucket on these tiny models) once."""
+    from autopar.passes.ops import fused_all_gather
+    return sum(n.target in (torch.ops._c10d_functional.all_gather_into_tensor.default, fused_all_gather)
+               for n in gm.graph.nodes)
+
+
+def _planned_gathers(plan) -> int:
+    """The all-gathers the plan prices: one per (phase, layer, axis) for a numbered layer's parameters
+    (autopar/planning/problem.py's gather_share), one per parameter use elsewhere."""
+    from autopar.graph import layer_of
+    return len({(c.phase, c.axis, layer_of(c.module) or (c.module, c.source)) for c in plan.collectives
+                if c.kind == "all_gather"})
 
 
 def _mismatches(eager: dict, compiled: dict, rtol: float, atol: float) -> list[str]:
@@ -65,6 +103,7 @@ def _mismatches(eager: dict, compiled: dict, rtol: float, atol: float) -> list[s
 
 def compiled_vs_eager(rank, world, model, batches, configs):
     """Per config: train the eager program and the compiled one from the same weights; what the test checks."""
+    import autopar
     from autopar import _torch_compat as compat
     from autopar import autoparallelize
     args, kwargs = batches[0]
@@ -72,9 +111,15 @@ def compiled_vs_eager(rank, world, model, batches, configs):
     out = {}
     for label, kw in configs.items():
         runs = {}
+        kw = dict(kw, mesh=autopar.Mesh(*kw["mesh"])) if "mesh" in kw else kw
         for compile in (False, True):
-            pmodel = autoparallelize(copy.deepcopy(model), example, baselines=False, compile=compile, **kw)
+            options = {k: v for k, v in kw.items() if k != "overlap"}
+            with _overlap(kw.get("overlap")):
+                pmodel = autoparallelize(copy.deepcopy(model), example, baselines=False, compile=compile, **options)
+            if not compile:
+                eager_gathers = _physical_gathers(pmodel.gm) if hasattr(pmodel, "gm") else None
             losses, _ = train_steps(pmodel, batches, STEPS)
+            runs_per_step = [p.runs / STEPS for p in _programs(pmodel)] if compile else None
             runs[compile] = losses, {k: v.clone() for k, v in pmodel.full_state_dict().items()}
         bf16 = kw.get("mixed_precision") == "bf16"
         rtol, atol = (0.0, BF16_PARAM_ATOL) if bf16 else (1e-4, 1e-5)
@@ -84,6 +129,9 @@ def compiled_vs_eager(rank, world, model, batches, configs):
             "losses": (runs[False][0], runs[True][0]), "loss_tol": loss_tol,
             "param_mismatches": _mismatches(runs[False][1], runs[True][1], rtol, atol),
             "graphs_per_program": [p.graphs for p in programs],
+            "runs_per_step": runs_per_step, "programs": [p.name for p in programs],
+            "gathers": {"eager": eager_gathers, "compiled": _physical_gathers(programs[0].gm),
+                        "plan": _planned_gathers(pmodel.plan)},
             "sources": [p.source for p in programs],
             "eager_collectives": sorted({n.target.__name__.split(".")[0] for p in programs for n in p.gm.graph.nodes
                                          if n.op == "call_function" and "_c10d_functional" in str(n.target)}),
@@ -102,37 +150,76 @@ def _check(results, configs) -> None:
             assert torch.allclose(torch.tensor(compiled), torch.tensor(eager), **r["loss_tol"]), (label, rank, eager,
                                                                                                    compiled)
             assert not r["param_mismatches"], (label, rank, r["param_mismatches"])
-            assert r["graphs_per_program"] and all(g == [1] for g in r["graphs_per_program"]), (label, r)
             assert r["compile_seconds"] is not None and r["compile_seconds"] > 0
-            assert "program=Inductor" in r["repr"], r["repr"]
+            assert "program=Inductor" in r["repr"] and "first-step compile" in r["repr"], r["repr"]
             # every collective kind of the eager program is called by the generated code itself
             compiled_kinds = {k for src in r["sources"] for k in COLLECTIVE.findall(src)}
             for kind in r["eager_collectives"]:
                 assert any(k.startswith(kind) for k in compiled_kinds), (label, kind, compiled_kinds)  # or its _out/_ form
-        # no Dynamo anywhere: nothing for a graph break to cut
+
+
+def _check_one_graph(results, configs) -> None:
+    """The whole step is Inductor's code: one Inductor graph per program, compiled once; per step one SPMD
+    program run (a pipeline stage: its gather once, forward and backward once per micro-batch); no Dynamo."""
+    for res in results:
+        for label in configs:
+            r = res[label]
+            assert r["graphs_per_program"] and all(g == [1] for g in r["graphs_per_program"]), (label, r)
+            expected = [1 if p == "step" or p.endswith("gather") else 2 for p in r["programs"]]   # 2 micro-batches
+            assert r["runs_per_step"] == expected, (label, r["programs"], r["runs_per_step"])
         assert not res["counters"].get("graph_break"), res["counters"]["graph_break"]
         assert not res["counters"].get("stats", {}).get("unique_graphs"), res["counters"]["stats"]
 
 
+@pytest.fixture(scope="module")
+def gpt_results():
+    """The GPT cases, trained eager and compiled once for every test below that reads them."""
+    case = MODELS["gpt"]()
+    configs = dict(CONFIGS, **{"dp bf16": dict(strategy="dp", mixed_precision="bf16"),
+                               "zero3 layers": dict(strategy="zero3", overlap="layers")})
+    results = run_distributed(compiled_vs_eager, 2, case.model, models.zoo_batches(case, STEPS), configs,
+                              timeout=1500)
+    return configs, results
+
+
 @pytest.mark.parametrize("name", list(MODELS))
-def test_compiled_equals_eager(name):
-    case = MODELS[name]()
-    batches = models.zoo_batches(case, STEPS)
-    configs = dict(CONFIGS)
+def test_compiled_equals_eager(name, request):
     if name == "gpt":
-        configs["dp bf16"] = dict(strategy="dp", mixed_precision="bf16")
-    results = run_distributed(compiled_vs_eager, 2, case.model, batches, configs, timeout=1500)
+        configs, results = request.getfixturevalue("gpt_results")
+    else:
+        case, configs = MODELS[name](), dict(CONFIGS)
+        results = run_distributed(compiled_vs_eager, 2, case.model, models.zoo_batches(case, STEPS), configs,
+                                  timeout=1500)
     _check(results, configs)
+    _check_one_graph(results, configs)
     print({label: [round(r[label]["compile_seconds"], 1) for r in results] for label in configs})
 
 
-def test_collectives_stay_asynchronous():
-    """zero3 on GPT: in the generated code, compute runs between a parameter gather's start and its wait
+def test_whole_step_is_one_graph(gpt_results):
+    _check_one_graph(gpt_results[1], gpt_results[0])
+
+
+def test_zero3_gathers_as_planned(gpt_results):
+    """Compiled ZeRO-3 against its plan. Default overlap ("inductor"): Inductor buckets the parameter gathers
+    (fewer than the plan's, never more). Overlap "layers": the generated code starts exactly the plan's gathers,
+    one per layer and phase. (Peak memory: benchmarks/compile_overlap.py measures it; on these tiny models a
+    step's transients dominate and torch.profiler's peak varies by 1.7x between two ranks running one program.)"""
+    for res in gpt_results[1]:
+        for label in ("zero3", "zero3 layers"):
+            r = res[label]
+            gathers, src = r["gathers"], r["sources"][0]
+            started = len(re.findall(r"_c10d_functional\.all_gather_into_tensor\w*\.default\(", src))
+            assert gathers["plan"] > 4   # several layers, two phases
+            if label == "zero3 layers":
+                assert started == gathers["compiled"] == gathers["eager"] == gathers["plan"], (started, gathers)
+            else:
+                assert 1 <= started <= gathers["plan"], (started, gathers)
+
+
+def test_collectives_stay_asynchronous(gpt_results):
+    """zero3 on GPT: in the generated code, compute runs between a collective's start and its wait
     (the wait is sunk to the first use), so the collective overlaps the step's kernels."""
-    case = MODELS["gpt"]()
-    batches = models.zoo_batches(case, STEPS)
-    results = run_distributed(compiled_vs_eager, 2, case.model, batches, {"zero3": CONFIGS["zero3"]}, timeout=900)
-    src = results[0]["zero3"]["sources"][0]
+    src = gpt_results[1][0]["zero3"]["sources"][0]
     lines = src.splitlines()
     starts = [i for i, line in enumerate(lines) if re.search(r"_c10d_functional\.(all_gather|reduce_scatter|all_reduce)",
                                                                 line)]
@@ -142,6 +229,59 @@ def test_collectives_stay_asynchronous():
     assert overlapped, "every collective is waited on right after it starts"
 
 
+def test_pipeline_gathers_compiled():
+    """pp2 x dp2 with ZeRO-2 inside the stages at world 4: each stage's once-per-step gather program is compiled
+    too (one Inductor graph, run once a step) and training equals the eager program."""
+    case = models.tiny_gpt(batch=4, seq=16)
+    results = run_distributed(compiled_vs_eager, 4, case.model, models.zoo_batches(case, STEPS), PP_DP, timeout=1500)
+    _check(results, PP_DP)
+    _check_one_graph(results, PP_DP)
+    for res in results:
+        assert any(p.endswith("gather") for p in res["pp2 x dp2 zero2"]["programs"]), res["pp2 x dp2 zero2"]["programs"]
+
+
+_CACHE_PROBE = """
+import json, torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from autopar.runtime.compile import CompiledProgram
+def f(x, w):
+    y = x @ w
+    return (torch.relu(y) * 2).sum(), y.t()
+x, w = torch.randn(8, 8), torch.randn(8, 8)
+program = CompiledProgram(make_fx(f)(x, w), "probe")
+torch.testing.assert_close(program(x, w)[0], f(x, w)[0])
+print(json.dumps({"cache": program.cache, "graphs": program.graphs}))
+"""
+
+
+def test_second_process_hits_fx_graph_cache(tmp_path):
+    """A restarted job compiling the same program loads it from Inductor's FX graph cache (a fresh cache dir:
+    the first process misses and writes it, the second hits)."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    runs = [json.loads(subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, capture_output=True, text=True,
+                                      check=True, timeout=600).stdout.splitlines()[-1]) for _ in range(2)]
+    assert runs[0]["cache"] == {"hit": 0, "miss": 1, "bypass": 0}, runs
+    assert runs[1]["cache"] == {"hit": 1, "miss": 0, "bypass": 0}, runs
+    assert runs[0]["graphs"] == runs[1]["graphs"] == [1]
+
+
+def test_cuda_graphs_need_cuda():
+    """compile="cudagraphs" runs only on CUDA: on CPU autopar says so (InputError), at resolve time and in the
+    program itself; recorded graphs are for one set of shapes, another raises InputError."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autopar.errors import InputError
+    from autopar.runtime.compile import CompiledProgram, resolve
+    assert resolve("cudagraphs", "cuda") == "cudagraphs"
+    with pytest.raises(InputError, match="CUDA graphs need CUDA"):
+        resolve("cudagraphs", "cpu")
+    x = torch.randn(4, 4)
+    program = CompiledProgram(make_fx(lambda a: (a * 2,))(x), cuda_graphs=True)
+    with pytest.raises(InputError, match="CUDA graphs need CUDA tensors"):
+        program(x)
+    program._key = ((tuple(x.shape), x.stride(), x.dtype),)   # as if recorded for x's shapes
+    with pytest.raises(InputError, match="static shapes"):
+        program(torch.randn(8, 4))
 def test_compile_option_is_checked():
     from autopar.errors import InputError
     from autopar.runtime.compile import DEFAULT, resolve

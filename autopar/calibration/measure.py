@@ -19,13 +19,16 @@ cache (`measure_pointwise`), the per-launch overhead and the memory bandwidth, b
 
     t(M) = o + M·(1/W)            (M bytes read and written)
 
-All compute is timed as sustained streams (`_sustained_time`): on a shared machine a burst after
+All compute is timed as sustained streams (`sustained_time`): on a shared machine a burst after
 a pause runs faster than a step that keeps the core busy. The per-parameter work of a step
 (zero_grad, the gradient's DTensor wrapping into p.grad, AdamW's step, as train_step and the loop
 do them) is timed on K tiny DTensor parameters (what `ParallelModule` hands torch.optim) for several K; the slope of t(K) is
 `param_step_overhead`, the seconds each parameter tensor adds beyond its bytes; the same with
 `pmodel.optimizer`'s fused step on the local shards (`autopar/runtime/optim.py`) gives
 `fused_step_overhead`.
+Last, a reference step (`autopar.calibration.in_step`): a small GPT's joint graph, priced with the rates
+above and run as a step runs it on every rank at once; measured over priced is `in_step_scale`, which
+multiplies every op's time (operands come cold from the ops before, the ranks share caches and memory).
 The collectives above run back to back, the ranks in lockstep; in a step the ranks reach a blocking
 collective from compute. `sync_latency` is the difference: ~10 ms of matmuls then a 4-byte
 all_reduce, against the same matmuls alone and the all_reduce back to back (CPU/gloo: ~1 ms, the
@@ -61,6 +64,8 @@ import torch.nn.functional as F
 from autopar import _torch_compat as compat
 from autopar.calibration.compiled import measure_compiled
 from autopar.calibration.fit import Sample, fit_line, fit_links
+from autopar.calibration.in_step import InStep, measure_in_step
+from autopar.calibration.timing import mean_time, sustained_time, sync
 from autopar.costmodel import compute as compute_model
 from autopar.costmodel.hardware import COLLECTIVE_KINDS, HardwareSpec, get_hardware
 from autopar.costmodel.memory import format_bytes, format_seconds
@@ -90,6 +95,7 @@ class Calibration:
     fused_step_overhead: float = 0.0   # param_step_overhead with pmodel.optimizer's fused local-shard step
     compiled_op_overhead: float = 0.0  # seconds per kernel of an Inductor-compiled program (calibration/compiled.py)
     compiled_mem_bandwidth: float = 0.0   # bytes/s of a compiled fused chain's one pass
+    reference: InStep | None = None    # the reference step (-> spec.in_step_scale)
 
     def summary(self) -> str:
         """A short table of the fitted links and compute figures."""
@@ -107,6 +113,10 @@ class Calibration:
                  f"{format_seconds(self.sync_latency)} per collective reached from compute; compiled program "
                  f"{format_seconds(self.compiled_op_overhead)} per kernel, fused chains "
                  f"{format_bytes(self.compiled_mem_bandwidth)}/s"]
+        if self.reference is not None:
+            lines.append(f"in-step scale x{self.reference.scale:.2f}: a reference step's {self.reference.ops} ops ran "
+                         f"{format_seconds(self.reference.measured)} where the rates above price "
+                         f"{format_seconds(self.reference.priced)} (every op's time is multiplied by it)")
         for link_kind, fits in self.spec.collectives.items():
             for kind, link in fits.items():
                 lines.append(f"  {link_kind:<6}{kind:<16} alpha {format_seconds(link.latency):>9}  "
@@ -150,48 +160,6 @@ def build_profile(base: HardwareSpec, samples: Sequence[Sample], *, matmul_flops
 
 
 # --- measuring (every rank runs these in the same order) -------------------------------------------
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _mean_time(fn: Callable[[], object], device: torch.device, iters: int) -> float:
-    """Mean seconds of `iters` calls after one warm-up; the same number of calls on every rank, so
-    collectives can be timed."""
-    with warnings.catch_warnings():   # torch's deprecation notes on *_into_tensor / *_tensor names
-        warnings.simplefilter("ignore", FutureWarning)
-        fn()
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        _sync(device)
-        return (time.perf_counter() - t0) / iters
-
-
-def _sustained_time(fn: Callable[[], object], device: torch.device, iters: int,
-                    min_seconds: float = 0.05) -> float:
-    """Mean seconds per call of `fn` run back to back for at least `min_seconds`, median of `iters`
-    such runs. A training step keeps the core busy for its whole length; on a shared machine a
-    short burst after a pause runs faster than that (the scheduler favours a task that slept), so
-    short ops are timed as a sustained stream, like the step runs them."""
-    fn()
-    _sync(device)
-    runs = []
-    for _ in range(iters):
-        calls, t0 = 0, time.perf_counter()
-        while True:
-            fn()
-            calls += 1
-            if calls & (calls - 1) == 0:   # check the clock (and sync) at 1, 2, 4, 8, ... calls
-                _sync(device)
-                elapsed = time.perf_counter() - t0
-                if elapsed >= min_seconds:
-                    break
-        runs.append(elapsed / calls)
-    return statistics.median(runs)
-
 
 def _collective_fns(kind: str, nbytes: int, group, pos: int, ranks: list[int], device: torch.device):
     """A no-argument callable running one `kind` of B = nbytes in `group`, as the lowered graph runs
@@ -276,12 +244,12 @@ def _interleaved_times(fns: Sequence[Callable[[], object]], device: torch.device
             fn()
         for _ in range(iters):
             for fn, out in zip(fns, times):
-                _sync(device)
+                sync(device)
                 dist.barrier()
                 t0 = time.perf_counter()
                 for _ in range(CALLS_PER_ROUND):
                     fn()
-                _sync(device)
+                sync(device)
                 out.append((time.perf_counter() - t0) / CALLS_PER_ROUND)
     return times
 
@@ -296,7 +264,7 @@ def measure_compute(device: torch.device, iters: int, dtype: torch.dtype, progre
     rates = []
     for d in dims:
         a, b = torch.randn(d, d, device=device, dtype=dtype), torch.randn(d, d, device=device, dtype=dtype)
-        rates.append(2 * d ** 3 / _sustained_time(lambda: a @ b, device, iters))
+        rates.append(2 * d ** 3 / sustained_time(lambda: a @ b, device, iters))
     attention, attention_backward = measure_attention(device, iters, dtype, quick)
     numel = 1 << (24 if big else 18 if quick else 20)
     overhead, bandwidth = measure_pointwise(device, iters, dtype, numel, pool_bytes=(64 << 20) if quick else None)
@@ -304,7 +272,7 @@ def measure_compute(device: torch.device, iters: int, dtype: torch.dtype, progre
     # the full calibration: 256K elements (1 MB) would be read from a CPU's L2 rather than from memory
     special_numel = 1 << (24 if big else 20)
     x = torch.randn(special_numel, device=device, dtype=dtype)
-    special = statistics.median(special_numel / _sustained_time(lambda: op(x), device, iters)
+    special = statistics.median(special_numel / sustained_time(lambda: op(x), device, iters)
                                 for op in (torch.exp, torch.tanh, F.gelu))
     return {"matmul": statistics.median(rates), "attention": attention, "attention_backward": attention_backward,
             "bandwidth": bandwidth, "overhead": overhead, "transcendental": special}
@@ -318,10 +286,10 @@ def measure_attention(device: torch.device, iters: int, dtype: torch.dtype, quic
     shape = (1, bh, s, hd)
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     with torch.no_grad():
-        forward = _sustained_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, iters)
+        forward = sustained_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, iters)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     grad_out = torch.randn_like(out)
-    backward = _sustained_time(lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True),
+    backward = sustained_time(lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True),
                                device, iters)
     return (compute_model.attention_forward_flops(shape, shape, shape) / forward,
             compute_model.attention_backward_flops(shape, shape, shape, shape) / backward)
@@ -331,7 +299,7 @@ def measure_pointwise(device: torch.device, iters: int, dtype: torch.dtype, max_
                       pool_bytes: int | None = None) -> tuple[float, float]:
     """(seconds per op, bytes/s): `fit_line` over sizes 64 .. max_numel elements of x + y and
     x * 0.5 (bytes = inputs + output), the mean of the two fits; each size is a sustained stream
-    of calls (`_sustained_time`). The ops are called as the per-rank graph calls them, through
+    of calls (`sustained_time`). The ops are called as the per-rank graph calls them, through
     their ATen overloads (`torch.ops.aten.add.Tensor`): on a CPU that costs ~2x the dispatch of
     Python's `torch.add` binding (6 against 3 µs per call, one idle core).
 
@@ -353,7 +321,7 @@ def measure_pointwise(device: torch.device, iters: int, dtype: torch.dtype, max_
             stride = pool_numel // count
             pairs = itertools.cycle([(pools[0][i * stride:i * stride + numel], pools[1][i * stride:i * stride + numel])
                                      for i in range(count)])
-            times.append(_sustained_time(lambda: op(*next(pairs)), device, iters))
+            times.append(sustained_time(lambda: op(*next(pairs)), device, iters))
             sizes.append(tensors * numel * itemsize)
         fits.append(fit_line(sizes, times))
     overhead = statistics.fmean(f[0] for f in fits)
@@ -388,7 +356,7 @@ def measure_param_step(device: torch.device, iters: int, counts: Sequence[int] =
                 for p, spec in zip(params, specs):
                     p.grad = compat.dtensor_grad(local_grad.clone(), spec)
             opt.step()
-        times.append(_sustained_time(step, device, iters))
+        times.append(sustained_time(step, device, iters))
     return fit_line(counts, times)[1]
 
 
@@ -400,7 +368,7 @@ def measure_sync_latency(device: torch.device, iters: int, segment: float = 10e-
     dim = 4096 if device.type == "cuda" else 512
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = torch.randn(dim, dim, device=device, dtype=dtype)
-    calls = torch.tensor([max(1.0, segment / _sustained_time(lambda: a @ a, device, 3))], device=device)
+    calls = torch.tensor([max(1.0, segment / sustained_time(lambda: a @ a, device, 3))], device=device)
     dist.all_reduce(calls, op=dist.ReduceOp.MAX)   # every rank runs the same work
     calls = int(calls.item())
     fc, name, x = torch.ops._c10d_functional, dist.group.WORLD.group_name, torch.ones(1, device=device)
@@ -414,7 +382,7 @@ def measure_sync_latency(device: torch.device, iters: int, segment: float = 10e-
 
     def per_call(fn, n: int) -> float:
         dist.barrier()
-        return _mean_time(fn, device, n)
+        return mean_time(fn, device, n)
 
     excess = []
     for _ in range(iters):
@@ -474,7 +442,7 @@ def calibrate(mesh_shape: Sequence[int] | None = None, *, sizes: Sequence[int] =
     figures = _slowest({**figures, "param_step": measure_param_step(device, iters),
                         "fused_step": measure_param_step(device, iters, fused=True),
                         "sync": measure_sync_latency(device, iters),
-                        **measure_compiled(device, dtype, lambda fn: _sustained_time(fn, device, iters), quick_compute)},
+                        **measure_compiled(device, dtype, lambda fn: sustained_time(fn, device, iters), quick_compute)},
                        device)
     spec = build_profile(base_spec, samples, matmul_flops=figures["matmul"], mem_bandwidth=figures["bandwidth"],
                          op_overhead=figures["overhead"], devices_per_node=dpn,
@@ -484,10 +452,13 @@ def calibrate(mesh_shape: Sequence[int] | None = None, *, sizes: Sequence[int] =
                          sync_latency=figures["sync"], fused_step_overhead=figures["fused_step"],
                          compiled_op_overhead=figures["compiled_overhead"],
                          compiled_mem_bandwidth=figures["compiled_bandwidth"])
+    say("a reference training step's graph run as a step runs it, against what the rates above price it")
+    reference = measure_in_step(spec, device, iters)
+    spec = replace(spec, in_step_scale=reference.scale)
     return Calibration(spec, tuple(samples), figures["matmul"], figures["attention"], figures["bandwidth"],
                        figures["overhead"], figures["param_step"], figures["transcendental"],
                        figures["attention_backward"], figures["sync"], figures["fused_step"],
-                       figures["compiled_overhead"], figures["compiled_bandwidth"])
+                       figures["compiled_overhead"], figures["compiled_bandwidth"], reference)
 
 
 def _device() -> torch.device:

@@ -2,13 +2,14 @@
 
 Every rank captures the MICRO-BATCH graph, rewrites it with the SPMD passes for its coordinates on the
 sub-mesh (every axis but "pp"), and cuts it into stage programs (`passes/split_stages.py`). It keeps
-its own stage: its parameters (DTensors on the sub-mesh, nowhere else) and a `_StageModule` whose
-forward is an autograd.Function running the stage's forward program (saving what its backward reads)
-and whose backward runs the backward program (boundary gradients in, input-activation and parameter
-gradients out); a stage with ZeRO-1/2 parameters first runs its `gather` program once per step (the
-gathered copies, kept for the step's micro-batches and freed after the schedule: one gather per step,
-as the cost model prices; ZeRO-3 parameters are gathered inside every forward and backward program,
-per micro-batch, as priced). torch.distributed.pipelining's PipelineStage and ScheduleGPipe / Schedule1F1B run
+its own stage: its parameters (DTensors on the sub-mesh, nowhere else) and a `StageModule`
+(autopar/pipeline/stage_module.py) that runs the stage's programs: a once-per-step `gather` program for
+ZeRO-1/2 parameters (the gathered copies kept for the step's micro-batches and freed after the schedule: one
+gather per step, as the cost model prices; ZeRO-3 parameters are gathered inside every forward and backward
+program, per micro-batch, as priced), then per micro-batch the forward program (saving what its backward
+reads) and the backward program (boundary gradients in, input-activation and parameter gradients out); under
+`compile=True` each of them is Inductor's code (`autopar.runtime.compile`). torch.distributed.pipelining's
+PipelineStage and ScheduleGPipe / Schedule1F1B run
 the micro-batches; an interleaved plan (p*v chunks, rank d holding chunks d, d+p, ...) builds one
 PipelineStage per chunk it holds and runs them with ScheduleInterleaved1F1B. A parameter used by
 several stages (a tied embedding) lives once on each rank that holds one of them (shared by that
@@ -38,14 +39,12 @@ and are ignored. A rank passes the global batch or its data-parallel slice
 """
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import distribute_tensor
 
 from autopar.capture import precision
 from autopar.capture.canonicalize import canonicalize
@@ -59,13 +58,14 @@ from autopar.passes.defer_grad_reductions import defer_grad_reductions_pass
 from autopar.passes.ops import start_all_reduce, wait_buckets
 from autopar.passes.split_stages import StageProgram, split_stages
 from autopar.pipeline import planning as pp
+from autopar.pipeline.stage_module import StageModule
 from autopar.plan import Plan
 from autopar.planning.spmd import fingerprint
 from autopar.runtime import checkpoint, optim, safetensors_io, state
 from autopar.runtime import compile as compiling
 from autopar.runtime.batch import BatchLayout, DataParallelInputs, input_reads
 from autopar.runtime.materialize import is_meta, model_tensors
-from autopar.runtime.tensors import distinct, get_tensor, is_unit_seed, set_tensor
+from autopar.runtime.tensors import get_tensor, set_tensor
 
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 MULTI_STAGE = ("interleaved_1f1b",)   # schedules that take a list of this rank's PipelineStages
@@ -76,7 +76,7 @@ def parallelize_pipelined(model: nn.Module, example_inputs: tuple, *, mesh: Mesh
                           example_kwargs=None, loss_fn=None, verify: bool = False, device_type: str = "cpu",
                           device: str = "cpu", broadcast=None, mixed_precision=None, recompute=None,
                           strategy="auto", memory_budget=None, optimizer: str = "adamw", time_limit=None,
-                          baselines: bool = False, init_fn=None, compile: bool = False) -> "PipelinedModule":
+                          baselines: bool = False, init_fn=None, compile: bool | str = False) -> "PipelinedModule":
     """The pipelined branch of `autopar.autoparallelize` (called with the resolved mesh of the world)."""
     policy = precision.resolve_with_plan(mixed_precision, plan)  # None: fp32
     if plan is not None and num_stages is None:
@@ -107,112 +107,15 @@ def parallelize_pipelined(model: nn.Module, example_inputs: tuple, *, mesh: Mesh
                       group_names=tuple(sub_dm.get_group(a).group_name for a in range(mesh.ndim - 1)),
                       grad_names=tuple(captured.grad_param_names), device=device,
                       disabled=frozenset({"bucket_collectives"})  # a bucket must not mix two stages' grads
-                      | (compiling.EAGER_ONLY_PASSES if compile else frozenset()))
+                      | compiling.disabled_passes(compile, device_type))
     reads = input_reads(captured, stage_plan)  # before the passes rewrite the inputs' users
     gm = run_passes(captured.gm, ctx, verify=verify)
     gm = defer_grad_reductions_pass(gm, ctx)   # gradient all-reduces: once per step, in train_step
     units = [list(s.modules) for s in plan.stages]
     programs = split_stages(gm, units, [u for s in units for u in s], list(captured.grad_param_names))
-    programs = [compiling.compile_stage(p) for p in programs] if compile else programs
+    programs = [compiling.compile_stage(p, compile, device_type) for p in programs] if compile else programs
     return PipelinedModule(model, captured, plan, programs, device_mesh, sub_dm, coords, stage_plan, device,
                            init_fn=init_fn, input_reads=reads)
-
-
-class _StageFn(torch.autograd.Function):
-    """One stage on one micro-batch: the forward program now, the backward program in backward."""
-
-    @staticmethod
-    def forward(fctx, stage, num_params, *args):
-        prog = stage.program
-        env = stage.state_env(args[:num_params])
-        env.update({("input", n): x for n, x in zip(prog.inputs, args[num_params:])})
-        with torch.no_grad():
-            outs = prog.forward(*[env[k] for k in prog.forward_args])
-        stage.runs["forward"] += 1
-        n_out = 1 if stage.is_last else len(prog.outputs)
-        fctx.stage, fctx.locals, fctx.num_inputs = stage, args[:num_params], len(args) - num_params
-        fctx.saved = outs[n_out:]
-        results = [o.detach().clone() if any(o is a for a in args) else o for o in outs[:n_out]]
-        fctx.like = results
-        names = ["<loss>"] if stage.is_last else prog.outputs
-        fctx.mark_non_differentiable(*[r for r, n in zip(results, names)
-                                       if n != "<loss>" and not prog.differentiable[n]])
-        return results[0] if stage.is_last else tuple(results)
-
-    @staticmethod
-    def backward(fctx, *grads):
-        stage = fctx.stage
-        prog = stage.program
-        env = stage.state_env(fctx.locals)
-        env.update({("saved", i): v for i, v in enumerate(fctx.saved)})
-        if not stage.is_last:
-            for name, g, like in zip(prog.outputs, grads, fctx.like):
-                g = torch.zeros_like(like) if g is None else g
-                env[("grad", name)] = stage.relayout(g, prog, name, to_grad=True)
-        outs = prog.backward(*[env[k] for k in prog.backward_args])
-        stage.runs["backward"] += 1
-        scale = grads[0] if stage.is_last and not is_unit_seed(grads[0]) else None
-        outs = [o if o is None or scale is None else o * scale for o in outs]
-        by_param = dict(zip(prog.grad_params, outs))
-        by_input = dict(zip(prog.input_grads, outs[len(prog.grad_params):]))
-        param_grads = [by_param.get(n) for n in stage.param_names]
-        input_grads = [None if by_input.get(n) is None else stage.relayout(by_input[n], prog, n, to_grad=False)
-                       for n in prog.inputs]
-        fctx.saved = fctx.locals = None
-        return (None, None, *distinct(param_grads), *input_grads)
-
-
-class _StageModule(nn.Module):
-    """What PipelineStage runs: forward(*boundary inputs) -> boundary outputs (the last stage: the loss)."""
-
-    def __init__(self, program: StageProgram, params: dict, buffers: dict, is_last: bool, mesh):
-        super().__init__()
-        self.program, self.is_last, self._is_last = program, is_last, is_last
-        object.__setattr__(self, "mesh", mesh)
-        self.param_names = [n for n in program.params if n in params]
-        for i, n in enumerate(self.param_names):
-            self.register_parameter(f"p{i}", params[n])
-        self._buffers_by_name = buffers
-        self._gathered: dict = {}
-        self.runs: Counter = Counter()   # programs run in the current (or last) step: gather, forward, backward
-
-    def state_env(self, locals_) -> dict:
-        env = {("param", n): t for n, t in zip(self.param_names, locals_)}
-        env.update({("buffer", n): b.to_local() for n, b in self._buffers_by_name.items()})
-        env.update(self._gathered)
-        return env
-
-    def begin_step(self) -> None:
-        """Make this stage's ZeRO-1/2 gathered copies (`StageProgram.gather`) once for the step's micro-batches,
-        from the parameters as the optimizer left them."""
-        self.runs.clear()
-        prog = self.program
-        if prog.gather is None:
-            return
-        env = self.state_env([getattr(self, f"p{i}").to_local() for i in range(len(self.param_names))])
-        with torch.no_grad():
-            outs = prog.gather(*[env[k] for k in prog.gather_args])
-        self._gathered = {("gathered", n): t for n, t in zip(prog.gathered, outs)}
-        self.runs["gather"] += 1
-
-    def end_step(self) -> None:
-        """Free the gathered copies (the schedule has run every micro-batch's backward)."""
-        self._gathered = {}
-
-    def relayout(self, g: torch.Tensor, prog: StageProgram, name: str, to_grad: bool) -> torch.Tensor:
-        """A boundary gradient between the value's layout (what PipelineStage sends and checks) and the
-        layout the backward program makes and reads (`StageProgram.grad_specs`), by DTensor redistribute."""
-        if name not in prog.grad_specs:
-            return g
-        shape, _, value_spec = prog.values[name]
-        src, dst = (value_spec, prog.grad_specs[name]) if to_grad else (prog.grad_specs[name], value_spec)
-        dt = DTensor.from_local(g, self.mesh, list(src), run_check=False, shape=torch.Size(shape),
-                                stride=torch.empty(shape, device="meta").stride())
-        return dt.redistribute(self.mesh, list(dst)).to_local().contiguous()
-
-    def forward(self, *inputs):
-        locals_ = [getattr(self, f"p{i}").to_local() for i in range(len(self.param_names))]
-        return _StageFn.apply(self, len(locals_), *locals_, *inputs)
 
 
 class PipelinedModule(DataParallelInputs, nn.Module):
@@ -243,7 +146,7 @@ class PipelinedModule(DataParallelInputs, nn.Module):
         params, buffers = self._distribute(model, captured, [programs[k] for k in self._chunks], stage_plan, init_fn)
         state.install(self, self._state)   # state_dict(): the model's keys this rank holds; loads the model's
         last = len(programs) - 1
-        object.__setattr__(self, "_stages", [_StageModule(programs[k], params, buffers, k == last, sub_dm)
+        object.__setattr__(self, "_stages", [StageModule(programs[k], params, buffers, k == last, sub_dm)
                                              for k in self._chunks])
         self._shared = _shared_groups(programs, self._pp_rank, self._num_ranks, self._per_stage, coords[1:], sub_dm)
         self._deferred = _deferred_by_axis([programs[k] for k in self._chunks])
@@ -360,10 +263,15 @@ class PipelinedModule(DataParallelInputs, nn.Module):
     @property
     def compile_seconds(self) -> float | None:
         """Inductor's compile time of this rank's stage programs (None: eager, or not compiled yet)."""
-        return compiling.compile_seconds([g for s in self._stages for g in (s.program.forward, s.program.backward)])
+        return compiling.compile_seconds(self.programs())
 
     def extra_repr(self) -> str:
-        return compiling.describe([g for s in self._stages for g in (s.program.forward, s.program.backward)])
+        return compiling.describe(self.programs())
+
+    def programs(self) -> list:
+        """What runs this rank's stages: each one's gather (if any), forward and backward program."""
+        return [g for s in self._stages for g in (s.program.gather, s.program.forward, s.program.backward)
+                if g is not None]
 
     def optimizer(self, cls: type = torch.optim.AdamW, params=None, **options) -> torch.optim.Optimizer:
         """This rank's parameters' optimizer stepping local shards; see `ParallelModule.optimizer`. Its

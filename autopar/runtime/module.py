@@ -35,7 +35,7 @@ from autopar.runtime.tensors import distinct, get_tensor, is_unit_seed, owner_of
 def parallelize_spmd(model: nn.Module, example_inputs: tuple, *, mesh: Mesh, plan: Plan | None, example_kwargs=None,
                      loss_fn=None, strategy="auto", memory_budget=None, optimizer: str = "adamw", time_limit=None,
                      baselines: bool = True, mixed_precision=None, recompute=None, verify: bool = False,
-                     init_fn=None, compile: bool = False) -> "ParallelModule":
+                     init_fn=None, compile: bool | str = False) -> "ParallelModule":
     """The SPMD branch of `autopar.autoparallelize` (autopar/api.py), in a joined process group whose
     world is `mesh`: capture, plan on rank 0 (or check `plan`), rewrite for this rank, place the weights."""
     policy = precision.resolve_with_plan(mixed_precision, plan)  # None: fp32
@@ -52,7 +52,7 @@ def parallelize_spmd(model: nn.Module, example_inputs: tuple, *, mesh: Mesh, pla
     ctx = PassContext(plan, tuple(mesh.shape), coords=tuple(device_mesh.get_coordinate()),
                       group_names=tuple(device_mesh.get_group(a).group_name for a in range(mesh.ndim)),
                       grad_names=tuple(captured.grad_param_names), device=local_device(),
-                      disabled=compiling.EAGER_ONLY_PASSES if compile else frozenset())
+                      disabled=compiling.disabled_passes(compile, device_type()))
     reads = input_reads(captured, plan)  # before the passes rewrite the inputs' users
     gm = run_passes(captured.gm, ctx, verify=verify)
     return ParallelModule(model, captured, plan, gm, device_mesh, ctx, init_fn=init_fn, input_reads=reads,
@@ -94,13 +94,15 @@ class ParallelModule(DataParallelInputs, nn.Module):
     needs_inputs = True   # every rank's program reads the inputs (a pipeline's first stage only)
 
     def __init__(self, model, captured, plan: Plan, gm, device_mesh: DeviceMesh, ctx: PassContext,
-                 init_fn=None, input_reads=None, compile: bool = False):
+                 init_fn=None, input_reads=None, compile: bool | str = False):
         super().__init__()
         self.plan = plan
         checkpoint.register_hooks(self)  # strided shards leave state_dict() as plain shards (DCP-savable)
         object.__setattr__(self, "gm", gm)  # the program: not a submodule (no state of its own)
         # what runs it: the GraphModule itself, or Inductor's code for it (autopar/runtime/compile.py)
-        object.__setattr__(self, "program", compiling.CompiledProgram(gm) if compile else gm)
+        program = gm if not compile else compiling.CompiledProgram(
+            gm, overlap=compiling.overlap_mode(compile, device_type()), cuda_graphs=compile == compiling.CUDA_GRAPHS)
+        object.__setattr__(self, "program", program)
         object.__setattr__(self, "device_mesh", device_mesh)
         self._param_names = list(captured.param_names)
         self._buffer_names = list(captured.buffer_names)

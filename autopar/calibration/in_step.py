@@ -1,0 +1,81 @@
+"""The in-step scale: how much longer a training step's ops take than the isolated benchmarks price them.
+
+Each compute benchmark of `autopar.calibration.measure` repeats one op on the same operands, so its
+operands sit in the caches; in a training step every op reads what the ops before it wrote (weights,
+activations, gradients: more than the caches hold), and on a CPU the other ranks' steps share the
+caches and the memory bus. On the 2-core machine the example GPT's graph ran ~35% longer per rank in
+its job than the fitted rates priced it, although every matmul of its shapes, timed alone, ran at the
+calibrated speed.
+
+So calibration ends with a reference step: a small GPT (`autopar._testing.gpt`, at a size no example
+or benchmark uses) is captured as its joint forward+backward ATen graph, priced op by op with the
+profile just fitted (exactly as the planner prices a one-device plan), and run as the runtime runs a
+rank's graph, back to back, on every rank at once. The slowest rank's seconds over the priced
+seconds is `HardwareSpec.in_step_scale`; `costmodel.compute.op_time` multiplies every op by it. The
+optimizer's per-parameter work is not part of it (`param_step_overhead` is timed in its own context).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from autopar._testing.gpt import GPT, GPTConfig
+from autopar.calibration.timing import sustained_time
+from autopar.capture.canonicalize import canonicalize
+from autopar.capture.trace import capture
+from autopar.costmodel.hardware import HardwareSpec
+from autopar.graph import NAME, ROLE
+from autopar.mesh import Mesh
+from autopar.planning.problem import ProblemBuilder
+
+# The reference: two layers, sized apart from the examples (GPT 4 x 128) and benchmarks (4 x 256).
+CPU_REFERENCE = dict(config=GPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=192,
+                                      tie_weights=False), batch=4)
+CUDA_REFERENCE = dict(config=GPTConfig(vocab_size=8192, block_size=512, n_layer=2, n_head=16, n_embd=1024,
+                                       tie_weights=False), batch=8)
+
+
+@dataclass(frozen=True)
+class InStep:
+    """The reference step's graph seconds: measured (slowest rank) and priced by the fitted rates."""
+
+    measured: float
+    priced: float
+    ops: int
+
+    @property
+    def scale(self) -> float:
+        return self.measured / self.priced
+
+
+def measure_in_step(spec: HardwareSpec, device: torch.device, iters: int) -> InStep:
+    """Run the reference step on every rank at once (call on every rank); see the module docstring.
+    `spec`: the fitted profile (priced here with in_step_scale 1: the benchmarks' rates alone)."""
+    spec = replace(spec, in_step_scale=1.0)
+    reference = CUDA_REFERENCE if device.type == "cuda" else CPU_REFERENCE
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32   # the dtype the benchmarks timed
+    config, batch = reference["config"], reference["batch"]
+    generator = torch.Generator().manual_seed(0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = GPT(config).to(device=device, dtype=dtype)
+    tokens = torch.randint(0, config.vocab_size, (batch, config.block_size + 1), generator=generator).to(device)
+    inputs = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    captured = capture(model, inputs, cache=False)
+    canonicalize(captured.gm)
+    problem = ProblemBuilder(captured, Mesh((1,), ("dp",), spec, None)).build()
+    ops = [i for i, node in enumerate(problem.nodes) if node.op != "placeholder"]   # parameters: the optimizer's
+    priced = float(sum(np.min(problem.compute[i] + problem.local_comm[i]) for i in ops))
+
+    tensors, fed = {**dict(model.named_parameters()), **dict(model.named_buffers())}, iter(inputs)
+    args = [next(fed) if node.meta[ROLE] == "input" else tensors[node.meta[NAME]].detach()
+            for node in captured.placeholders()]
+    with torch.no_grad():
+        dist.barrier()
+        measured = torch.tensor([sustained_time(lambda: captured.gm(*args), device, iters)], dtype=torch.float64,
+                                device=device)
+    dist.all_reduce(measured, op=dist.ReduceOp.MAX)   # one profile for all: the slowest rank's
+    return InStep(float(measured.item()), priced, len(ops))
