@@ -30,6 +30,7 @@ import argparse
 import copy
 import os
 import statistics
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -77,14 +78,14 @@ def measure_hardware(args, quiet: bool = False) -> Calibration | None:
 
 
 def pooled(calibrations: list[Calibration]) -> HardwareSpec:
-    """One profile from several calibrations: links fitted to all their timings, compute figures
-    the median of theirs."""
+    """One profile from several calibrations: links fitted to all their timings, compute figures and in-step
+    scales (eager and compiled) the median of theirs."""
     first = calibrations[0]
     med = {name: statistics.median(getattr(c, name) for c in calibrations)
            for name in ("matmul_flops", "mem_bandwidth", "op_overhead", "param_step_overhead", "transcendental_rate",
                         "attention_flops", "attention_backward_flops", "sync_latency", "fused_step_overhead",
                         "compiled_op_overhead", "compiled_mem_bandwidth")}
-    return build_profile(first.spec, [s for c in calibrations for s in c.samples], matmul_flops=med["matmul_flops"],
+    spec = build_profile(first.spec, [s for c in calibrations for s in c.samples], matmul_flops=med["matmul_flops"],
                          mem_bandwidth=med["mem_bandwidth"], op_overhead=med["op_overhead"],
                          devices_per_node=first.spec.devices_per_node, name=first.spec.name,
                          param_step_overhead=med["param_step_overhead"],
@@ -93,6 +94,8 @@ def pooled(calibrations: list[Calibration]) -> HardwareSpec:
                          fused_step_overhead=med["fused_step_overhead"],
                          compiled_op_overhead=med["compiled_op_overhead"],
                          compiled_mem_bandwidth=med["compiled_mem_bandwidth"])
+    return replace(spec, **{name: statistics.median(getattr(c.spec, name) for c in calibrations)
+                            for name in ("in_step_scale", "compiled_in_step_scale")})
 
 
 def build(model, example, mesh, name: str, compiled: bool = False) -> Variant:
@@ -247,7 +250,8 @@ def main(argv=None) -> None:
                   f"{hw.flops('float32') * hw.compute_efficiency / 1e9:.1f} GFLOP/s, pointwise "
                   f"{hw.mem_bandwidth / 1e9:.1f} GB/s, exp/tanh/gelu {hw.transcendental_rate / 1e6:.0f} M elements/s, "
                   f"op overhead {hw.op_overhead * 1e6:.2f} µs (compiled: {hw.compiled_op_overhead * 1e6:.2f} µs per "
-                  f"kernel, fused chains {hw.compiled_mem_bandwidth / 1e9:.1f} GB/s), "
+                  f"kernel, fused chains {hw.compiled_mem_bandwidth / 1e9:.1f} GB/s), in-step scales "
+                  f"x{hw.in_step_scale:.2f} eager, x{hw.compiled_in_step_scale:.2f} compiled, "
                   f"{hw.param_step_overhead * 1e6:.0f} µs per parameter "
                   f"tensor per step, {hw.sync_latency * 1e6:.0f} µs per collective reached from compute, "
                   f"attention at {hw.attention_efficiency:.2f} (forward) and "

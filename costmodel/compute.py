@@ -90,19 +90,20 @@ def op_time(flops: float, nbytes: float, hw: HardwareSpec, dtype: torch.dtype | 
     """Roofline seconds: the largest of compute time at achievable peak (times `efficiency`, see
     `flop_efficiency`), memory-traffic time and, for `elements` of an exp-class op, their time at
     `transcendental_rate`; plus the per-launch overhead (`ROOFLINE` evaluated in floats); all of it
-    times `in_step_scale` (a calibrated profile's ratio of a step's op seconds to the benchmarks').
+    times `in_step_scale` (a calibrated profile's ratio of a step's op seconds to the benchmarks'; for a compiled
+    program `compiled_in_step_scale` when measured: `HardwareSpec.step_scale`).
     `overhead` and `bandwidth` replace the eager program's `op_overhead` and `mem_bandwidth` (a compiled
     program's kernel: `HardwareSpec.kernel_overhead`, `fused_bandwidth`; `autopar/planning/fusion.py`)."""
     compute = flops / (hw.flops(dtype_name(dtype)) * hw.compute_efficiency * efficiency)
     special = elements / hw.transcendental_rate if hw.transcendental_rate else 0.0
     memory = nbytes / (hw.mem_bandwidth if bandwidth is None else bandwidth)
-    return (max(compute, memory, special) + (hw.op_overhead if overhead is None else overhead)) * hw.in_step_scale
+    return (max(compute, memory, special) + (hw.op_overhead if overhead is None else overhead)) * hw.step_scale
 
 
 def view_time(hw: HardwareSpec) -> float:
     """Seconds of one view op (an alias: no kernel, no bytes): the dispatch overhead `op_overhead`
     (times `in_step_scale`)."""
-    return hw.op_overhead * hw.in_step_scale
+    return hw.op_overhead * hw.step_scale
 
 
 def explain_compute(flops: float, nbytes: float, hw: HardwareSpec,
@@ -124,8 +125,8 @@ def explain_compute(flops: float, nbytes: float, hw: HardwareSpec,
     formula = f"max(F/(η·P), M/W{', E/T' if special else ''}) + o"
     numbers = (f"max({flops / 1e9:.3g} GFLOP / ({eta:.3g}·{peak / 1e12:.3g} TFLOP/s), {format_bytes(nbytes)} / "
                f"{format_bytes(hw.mem_bandwidth)}/s{third}) + {format_seconds(hw.op_overhead)}")
-    if hw.in_step_scale != 1.0:   # a calibrated profile: the in-step scale s multiplies the whole
-        formula, numbers = f"({formula}) × s", f"({numbers}) × {hw.in_step_scale:.2f}"
+    if hw.step_scale != 1.0:   # a calibrated profile: the in-step scale s multiplies the whole
+        formula, numbers = f"({formula}) × s", f"({numbers}) × {hw.step_scale:.2f}"
     return (f"{formula} = {numbers} = "
             f"{format_seconds(op_time(flops, nbytes, hw, dtype, elements, efficiency))} ({bound})")
 

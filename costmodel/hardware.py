@@ -82,7 +82,10 @@ class HardwareSpec:
     memory. `autopar calibrate` runs a reference training graph as a step runs it, on every rank at
     once, and divides its measured seconds by the seconds the fitted rates give it; every op's time
     (`costmodel.compute.op_time`, `view_time`; a compiled program's kernels too: the same operands
-    come cold) is multiplied by it. Presets 1.
+    come cold) is multiplied by it. Presets 1. `compiled_in_step_scale` is the same for the reference
+    graph run compiled by Inductor and priced as compiled (on a CPU Inductor's C++ kernels for some ops,
+    gelu's backward, transposed copies, run slower than ATen's, which bytes and launches do not show); it
+    multiplies a compiled program's ops (`step_scale`); 0 (unmeasured) takes `in_step_scale`.
     """
 
     name: str
@@ -104,6 +107,7 @@ class HardwareSpec:
     compiled_op_overhead: float = 0.0    # seconds per kernel of a compiled program (0: unmeasured)
     compiled_mem_bandwidth: float = 0.0  # bytes/s of a fused kernel's one pass (0: unmeasured)
     in_step_scale: float = 1.0        # a step's op seconds / the isolated benchmarks' (calibrated; presets 1)
+    compiled_in_step_scale: float = 0.0   # the same for the compiled program (0: unmeasured, in_step_scale)
     compiled: bool = False            # price the compiled program (True) or the eager FX one
 
     def __post_init__(self) -> None:
@@ -114,7 +118,8 @@ class HardwareSpec:
         for name in ("mem_bandwidth", "mem_capacity", "compute_efficiency", "op_overhead",
                      "param_step_overhead", "transcendental_rate", "attention_efficiency",
                      "attention_backward_efficiency", "sync_latency", "fused_step_overhead",
-                     "compiled_op_overhead", "compiled_mem_bandwidth", "in_step_scale"):
+                     "compiled_op_overhead", "compiled_mem_bandwidth", "in_step_scale",
+                     "compiled_in_step_scale"):
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "collectives", {k: dict(v) for k, v in self.collectives.items()})
 
@@ -145,6 +150,14 @@ class HardwareSpec:
         if self.compiled and self.compiled_op_overhead > 0:
             return self.compiled_op_overhead
         return self.op_overhead
+
+    @property
+    def step_scale(self) -> float:
+        """What multiplies every op's priced seconds (`costmodel.compute.op_time`): `in_step_scale`, or
+        `compiled_in_step_scale` for a compiled program when measured."""
+        if self.compiled and self.compiled_in_step_scale > 0:
+            return self.compiled_in_step_scale
+        return self.in_step_scale
 
     @property
     def fused_bandwidth(self) -> float:
@@ -208,12 +221,13 @@ class HardwareSpec:
 _FIELDS = ("name", "peak_flops", "mem_bandwidth", "mem_capacity", "intra_node", "inter_node",
            "devices_per_node", "compute_efficiency", "collectives", "op_overhead", "param_step_overhead",
            "transcendental_rate", "attention_efficiency", "attention_backward_efficiency", "sync_latency",
-           "fused_step_overhead", "compiled_op_overhead", "compiled_mem_bandwidth", "compiled", "in_step_scale")
+           "fused_step_overhead", "compiled_op_overhead", "compiled_mem_bandwidth", "compiled", "in_step_scale",
+           "compiled_in_step_scale")
 _REQUIRED = _FIELDS[:7]
 _OPTIONAL = {"op_overhead": 0.0, "param_step_overhead": 0.0, "transcendental_rate": 0.0,   # default when absent
              "attention_efficiency": 1.0, "attention_backward_efficiency": 1.0, "sync_latency": 0.0,
              "fused_step_overhead": 0.0, "compiled_op_overhead": 0.0, "compiled_mem_bandwidth": 0.0,
-             "compiled": False, "in_step_scale": 1.0}
+             "compiled": False, "in_step_scale": 1.0, "compiled_in_step_scale": 0.0}
 _FIX = "fix the field or regenerate the profile with HardwareSpec.save()"
 
 
@@ -264,6 +278,7 @@ def _validate(spec: HardwareSpec) -> None:
     _check_positive("attention_efficiency", spec.attention_efficiency)
     _check_positive("attention_backward_efficiency", spec.attention_backward_efficiency)
     _check_positive("in_step_scale", spec.in_step_scale)
+    _check_non_negative("compiled_in_step_scale", spec.compiled_in_step_scale)
     if not isinstance(spec.collectives, dict) or not set(spec.collectives) <= set(LINK_KINDS):
         raise HardwareError(f"field 'collectives' must map {LINK_KINDS} to collective fits; {_FIX}")
     for link_kind, fits in spec.collectives.items():

@@ -199,3 +199,4 @@ def test_real_calibration_two_ranks(tmp_path):
     # than an eager ATen dispatch; a fused chain streams its one pass at a positive rate
     assert 0 < spec.compiled_op_overhead < spec.op_overhead, (spec.compiled_op_overhead, spec.op_overhead)
     assert spec.compiled_mem_bandwidth > 0
+    assert spec.compiled_in_step_scale > 0   # the reference step run compiled, measured over priced

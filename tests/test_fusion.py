@@ -87,9 +87,9 @@ def test_a_gpt_joint_graph_views_are_free_and_fused_chains_cross_no_phase():
 
 def test_compiled_pricing_views_free_chains_one_pass_and_faster_than_eager():
     """Under compile=True a view costs 0 (eager: op_overhead), a chain interior pays no launch and no bytes,
-    an extern op (matmul) costs its eager roofline with the compiled launch; the step is priced below the
-    eager one, as the compiled program runs (calibration: a kernel 2.8-3.5 µs against 8-15 µs per eager op,
-    2 loaded ranks)."""
+    an extern op (matmul) costs its eager roofline with the compiled launch; with equal in-step scales the
+    step is priced below the eager one (calibration: a kernel 1.7-3.5 µs against 7-15 µs per eager op, 2
+    loaded ranks). Whether the compiled step is faster on a machine is up to its compiled in-step scale."""
     captured = _captured_gpt()
     mesh = autopar.Mesh((2,), hardware=HW)
     eager = ProblemBuilder(captured, mesh).build()
@@ -123,6 +123,22 @@ def test_plan_compile_flag_prices_and_says_it_and_round_trips():
         autopar.plan(GPT(cfg), (x, x), mesh=autopar.Mesh((2,), hardware=HW), compile="yes")
 
 
+def test_the_compiled_in_step_scale_multiplies_compiled_ops_only():
+    """calibrate's reference step run compiled (`compiled_in_step_scale`) scales a compiled plan's ops, not an
+    eager plan's; unmeasured (0) a compiled plan takes the eager `in_step_scale`."""
+    captured = _captured_gpt()
+    scaled = dataclasses.replace(HW, in_step_scale=1.2, compiled_in_step_scale=1.8)
+    unmeasured = dataclasses.replace(HW, in_step_scale=1.2)
+
+    def total(hw, compiled):
+        prob = ProblemBuilder(captured, autopar.Mesh((1,), hardware=hw).for_program(compiled)).build()
+        return sum(c.min() for c, n in zip(prob.compute, prob.nodes) if n.op != "placeholder")
+    assert total(scaled, True) == pytest.approx(1.8 * total(HW, True))
+    assert total(scaled, False) == pytest.approx(1.2 * total(HW, False))
+    assert total(unmeasured, True) == pytest.approx(1.2 * total(HW, True))
+    assert scaled.for_program(True).step_scale == 1.8 and scaled.step_scale == 1.2
+
+
 def test_compiled_figures_round_trip_are_validated_and_fall_back():
     spec = HardwareSpec.from_json(HW.for_program(True).to_json())
     assert spec == HW.for_program(True) and spec.compiled and spec.kernel_overhead == 1.5e-6
@@ -131,7 +147,8 @@ def test_compiled_figures_round_trip_are_validated_and_fall_back():
     assert hardware.H200.for_program(True).kernel_overhead == hardware.H200.op_overhead   # unmeasured: eager's
     assert hardware.H200.for_program(True).fused_bandwidth == hardware.H200.mem_bandwidth
     assert hardware.H200.for_program(False) is hardware.H200
-    for field, bad in (("compiled_op_overhead", -1.0), ("compiled_mem_bandwidth", -1.0), ("compiled", "yes")):
+    for field, bad in (("compiled_op_overhead", -1.0), ("compiled_mem_bandwidth", -1.0), ("compiled", "yes"),
+                       ("compiled_in_step_scale", -1.0)):
         data = HW.to_json()
         data[field] = bad
         with pytest.raises(HardwareError, match=field):

@@ -30,6 +30,7 @@ from autopar.costmodel.hardware import HardwareSpec
 from autopar.graph import NAME, ROLE
 from autopar.mesh import Mesh
 from autopar.planning.problem import ProblemBuilder
+from autopar.runtime.compile import CompiledProgram
 
 # The reference: two layers, sized apart from the examples (GPT 4 x 128) and benchmarks (4 x 256).
 CPU_REFERENCE = dict(config=GPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=192,
@@ -51,10 +52,12 @@ class InStep:
         return self.measured / self.priced
 
 
-def measure_in_step(spec: HardwareSpec, device: torch.device, iters: int) -> InStep:
+def measure_in_step(spec: HardwareSpec, device: torch.device, iters: int, compiled: bool = False) -> InStep:
     """Run the reference step on every rank at once (call on every rank); see the module docstring.
-    `spec`: the fitted profile (priced here with in_step_scale 1: the benchmarks' rates alone)."""
-    spec = replace(spec, in_step_scale=1.0)
+    `spec`: the fitted profile (priced here with in_step_scale 1: the benchmarks' rates alone). `compiled`:
+    the graph run as Inductor compiles it (`runtime.compile.CompiledProgram`) and priced as compiled
+    (-> `compiled_in_step_scale`)."""
+    spec = replace(spec, in_step_scale=1.0, compiled_in_step_scale=0.0).for_program(compiled)
     reference = CUDA_REFERENCE if device.type == "cuda" else CPU_REFERENCE
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32   # the dtype the benchmarks timed
     config, batch = reference["config"], reference["batch"]
@@ -73,9 +76,11 @@ def measure_in_step(spec: HardwareSpec, device: torch.device, iters: int) -> InS
     tensors, fed = {**dict(model.named_parameters()), **dict(model.named_buffers())}, iter(inputs)
     args = [next(fed) if node.meta[ROLE] == "input" else tensors[node.meta[NAME]].detach()
             for node in captured.placeholders()]
+    program = CompiledProgram(captured.gm, "calibration") if compiled else captured.gm
     with torch.no_grad():
+        program(*args)   # a compiled program compiles at its first call
         dist.barrier()
-        measured = torch.tensor([sustained_time(lambda: captured.gm(*args), device, iters)], dtype=torch.float64,
+        measured = torch.tensor([sustained_time(lambda: program(*args), device, iters)], dtype=torch.float64,
                                 device=device)
     dist.all_reduce(measured, op=dist.ReduceOp.MAX)   # one profile for all: the slowest rank's
     return InStep(float(measured.item()), priced, len(ops))

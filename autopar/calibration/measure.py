@@ -96,6 +96,7 @@ class Calibration:
     compiled_op_overhead: float = 0.0  # seconds per kernel of an Inductor-compiled program (calibration/compiled.py)
     compiled_mem_bandwidth: float = 0.0   # bytes/s of a compiled fused chain's one pass
     reference: InStep | None = None    # the reference step (-> spec.in_step_scale)
+    compiled_reference: InStep | None = None   # the same compiled by Inductor (-> spec.compiled_in_step_scale)
 
     def summary(self) -> str:
         """A short table of the fitted links and compute figures."""
@@ -117,6 +118,10 @@ class Calibration:
             lines.append(f"in-step scale x{self.reference.scale:.2f}: a reference step's {self.reference.ops} ops ran "
                          f"{format_seconds(self.reference.measured)} where the rates above price "
                          f"{format_seconds(self.reference.priced)} (every op's time is multiplied by it)")
+        if self.compiled_reference is not None:
+            lines.append(f"compiled in-step scale x{self.compiled_reference.scale:.2f}: compiled by Inductor it ran "
+                         f"{format_seconds(self.compiled_reference.measured)}, priced as compiled "
+                         f"{format_seconds(self.compiled_reference.priced)} (a compiled program's ops)")
         for link_kind, fits in self.spec.collectives.items():
             for kind, link in fits.items():
                 lines.append(f"  {link_kind:<6}{kind:<16} alpha {format_seconds(link.latency):>9}  "
@@ -454,11 +459,12 @@ def calibrate(mesh_shape: Sequence[int] | None = None, *, sizes: Sequence[int] =
                          compiled_mem_bandwidth=figures["compiled_bandwidth"])
     say("a reference training step's graph run as a step runs it, against what the rates above price it")
     reference = measure_in_step(spec, device, iters)
-    spec = replace(spec, in_step_scale=reference.scale)
+    compiled_reference = measure_in_step(spec, device, iters, compiled=True)
+    spec = replace(spec, in_step_scale=reference.scale, compiled_in_step_scale=compiled_reference.scale)
     return Calibration(spec, tuple(samples), figures["matmul"], figures["attention"], figures["bandwidth"],
                        figures["overhead"], figures["param_step"], figures["transcendental"],
                        figures["attention_backward"], figures["sync"], figures["fused_step"],
-                       figures["compiled_overhead"], figures["compiled_bandwidth"], reference)
+                       figures["compiled_overhead"], figures["compiled_bandwidth"], reference, compiled_reference)
 
 
 def _device() -> torch.device:
