@@ -110,7 +110,8 @@ def autoparallelize(model: nn.Module, example_inputs, *, mesh: Mesh | tuple | No
     compile = resolve_compile(compile, device_type())
     if device_type() == "cpu":
         keep_freed_memory()  # else glibc page-faults every step's activations in again (runtime/cpu_memory.py)
-    mesh = _world_mesh(mesh, world, plan).for_program(bool(compile) if plan is None else plan.mesh.hardware.compiled)
+    mesh = _world_mesh(mesh, world, plan, bool(compile)).for_program(
+        bool(compile) if plan is None else plan.mesh.hardware.compiled)
     if plan is None and _searches(num_stages, strategy, mesh):  # search; the plan brings its mesh, micro-batches, schedule
         plan = broadcast_plan(lambda: _search(
             model, example_inputs, mesh=mesh, memory_budget=memory_budget, optimizer=optimizer, loss_fn=loss_fn,
@@ -197,11 +198,11 @@ def _reject_pipeline_options(where: str, num_microbatches, schedule, virtual_sta
                              f"mesh with a 'pp' axis (in {where}())")
 
 
-def _world_mesh(mesh, world: int, plan: Plan | None) -> Mesh:
+def _world_mesh(mesh, world: int, plan: Plan | None, compiled: bool) -> Mesh:
     if mesh is None:
         if plan is not None:
             return Mesh((world,), hardware=plan.mesh.hardware)
-        return Mesh((world,), hardware=machine_hardware(world) if device_type() == "cpu" else "h100")
+        return Mesh((world,), hardware=machine_hardware(world, compiled) if device_type() == "cpu" else "h100")
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
     if mesh.size != world:
         raise MeshError(f"the mesh has {mesh.size} devices ({mesh}) but this job has {world} ranks; "

@@ -28,20 +28,22 @@ def _profile_worker(rank, world, cache):
     stamp = path.stat().st_mtime_ns if rank == 0 else None   # rank 0 writes the cache (the others may be ahead)
     second = machine.machine_hardware(world)
     assert rank != 0 or path.stat().st_mtime_ns == stamp   # read back, not measured again
+    compiling = machine.machine_hardware(world, compiled=True)   # a job that compiles: its figures added, cached
+    assert machine.machine_hardware(world, compiled=True) == compiling == machine.machine_hardware(world)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32))
     ids = torch.randint(0, 64, (4, 16))
     calibrated = autopar.autoparallelize(model, (ids, ids))
     os.environ["AUTOPAR_CALIBRATE"] = "0"
     preset = autopar.autoparallelize(model, (ids, ids))
-    return {"first": first.to_json(), "second": second.to_json(), "path": str(path),
+    return {"first": first.to_json(), "second": second.to_json(), "compiling": compiling.to_json(), "path": str(path),
             "rng_kept": bool(torch.equal(drawn_after_measuring, expected_draw)),
             "planned_on": calibrated.plan.mesh.hardware.to_json(), "summary": str(calibrated.plan),
             "preset_on": preset.plan.mesh.hardware.name, "preset_summary": str(preset.plan)}
 
 
 def test_first_job_measures_and_caches_later_jobs_read_it(tmp_path):
-    results = run_distributed(_profile_worker, 2, str(tmp_path), timeout=240)
+    results = run_distributed(_profile_worker, 2, str(tmp_path), timeout=480)   # + compiling calibration programs
     r0, r1 = results
     assert r0["first"] == r1["first"] == r0["second"] == r1["second"]   # every rank, every job: one profile
     assert r0["rng_kept"] and r1["rng_kept"]
@@ -50,10 +52,15 @@ def test_first_job_measures_and_caches_later_jobs_read_it(tmp_path):
     assert set(spec.collectives["intra"]) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
                                               "send_recv"}
     assert spec.param_step_overhead > 0 and spec.op_overhead > 0   # measured here, not the preset's
+    assert spec.in_step_scale != 1.0   # the reference step ran (calibration/in_step.py)
+    assert spec.compiled_op_overhead == 0 == spec.compiled_in_step_scale   # an eager job compiles nothing
+    compiling = HardwareSpec.from_json(r0["compiling"])
+    assert r1["compiling"] == r0["compiling"]
+    assert compiling.compiled_op_overhead > 0 and compiling.compiled_in_step_scale > 0
     about = json.loads(open(r0["path"].removesuffix(".json") + ".key.json").read())
     assert about["measured_for"]["world"] == 2 and about["measured_for"]["torch"] == torch.__version__
     assert about["seconds"] > 0
-    assert r0["planned_on"] == r0["first"]   # autoparallelize(mesh=None) priced on it
+    assert r0["planned_on"] == r0["compiling"]   # autoparallelize(mesh=None) priced on the cached profile
     assert "cpu-calibrated" in r0["summary"] and "uncalibrated" not in r0["summary"]
     assert r0["preset_on"] == "cpu" and "uncalibrated: the `cpu` preset's figures" in r0["preset_summary"]
     assert "torchrun --nproc_per_node 2 -m autopar calibrate" in r0["preset_summary"]

@@ -85,9 +85,11 @@ def write_profile(path: Path, key: dict[str, object], spec: HardwareSpec, second
         os.replace(tmp, target)
 
 
-def machine_hardware(world: int) -> HardwareSpec:
+def machine_hardware(world: int, compiled: bool = False) -> HardwareSpec:
     """This machine's calibrated profile for a CPU job of `world` ranks, measured now if none is
-    cached; the `cpu` preset when AUTOPAR_CALIBRATE=0. Call on every rank of the process group."""
+    cached; the `cpu` preset when AUTOPAR_CALIBRATE=0. Call on every rank of the process group.
+    The compiled program's figures are measured only for a job that compiles (`compiled`: a cached
+    profile without them is measured again, with them): they compile several programs."""
     if not config.calibrate_enabled():
         return get_hardware("cpu")
     key = machine_key(world)
@@ -96,12 +98,12 @@ def machine_hardware(world: int) -> HardwareSpec:
     cached = read_profile(path) if rank0 else None
     box = [cached.to_json() if cached is not None else None]
     dist.broadcast_object_list(box, src=0)   # rank 0's cache decides for every rank (and every node)
-    if box[0] is not None:
+    if box[0] is not None and (not compiled or HardwareSpec.from_json(box[0]).compiled_op_overhead > 0):
         return HardwareSpec.from_json(box[0])
-    return _measure(path, key, rank0)
+    return _measure(path, key, rank0, compiled)
 
 
-def _measure(path: Path, key: dict[str, object], rank0: bool) -> HardwareSpec:
+def _measure(path: Path, key: dict[str, object], rank0: bool, compiled: bool) -> HardwareSpec:
     """Calibrate on every rank (the same result on each), cache on rank 0. The global RNG is left
     as it was: a first run must draw the same random numbers as the runs that read the cache."""
     if rank0:
@@ -110,7 +112,8 @@ def _measure(path: Path, key: dict[str, object], rank0: bool) -> HardwareSpec:
               file=sys.stderr, flush=True)
     start = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
-        spec = calibrate(sizes=QUICK_SIZES, iters=QUICK_ITERS, quick_compute=False, progress=lambda msg: None).spec
+        spec = calibrate(sizes=QUICK_SIZES, iters=QUICK_ITERS, quick_compute=False, progress=lambda msg: None,
+                         compiled=compiled).spec
     seconds = time.perf_counter() - start
     if rank0:
         try:

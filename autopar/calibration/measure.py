@@ -420,11 +420,13 @@ def default_base(device: torch.device) -> HardwareSpec:
 
 def calibrate(mesh_shape: Sequence[int] | None = None, *, sizes: Sequence[int] = DEFAULT_SIZES,
               iters: int = 5, base: str | HardwareSpec | None = None, devices_per_node: int | None = None,
-              progress: Progress | None = None, quick_compute: bool = False) -> Calibration:
+              progress: Progress | None = None, quick_compute: bool = False, compiled: bool = True) -> Calibration:
     """Measure and fit a profile; call on every rank of an initialised process group.
 
     `mesh_shape` defaults to (world,); `devices_per_node` to torchrun's LOCAL_WORLD_SIZE when the
-    job spans several nodes (one node: the base preset's). Returns the same result on every rank."""
+    job spans several nodes (one node: the base preset's). `compiled=False` skips the compiled program's
+    figures (they compile several programs: tens of seconds from a cold Inductor cache on a small CPU;
+    unmeasured, a compiled plan is priced with the eager figures). Returns the same result on every rank."""
     if not dist.is_initialized():
         raise InputError("calibrate() needs a process group: run it under torchrun (`autopar calibrate`)")
     world = dist.get_world_size()
@@ -447,7 +449,8 @@ def calibrate(mesh_shape: Sequence[int] | None = None, *, sizes: Sequence[int] =
     figures = _slowest({**figures, "param_step": measure_param_step(device, iters),
                         "fused_step": measure_param_step(device, iters, fused=True),
                         "sync": measure_sync_latency(device, iters),
-                        **measure_compiled(device, dtype, lambda fn: sustained_time(fn, device, iters), quick_compute)},
+                        **(measure_compiled(device, dtype, lambda fn: sustained_time(fn, device, iters), quick_compute)
+                           if compiled else {})},
                        device)
     spec = build_profile(base_spec, samples, matmul_flops=figures["matmul"], mem_bandwidth=figures["bandwidth"],
                          op_overhead=figures["overhead"], devices_per_node=dpn,
@@ -455,16 +458,18 @@ def calibrate(mesh_shape: Sequence[int] | None = None, *, sizes: Sequence[int] =
                          param_step_overhead=figures["param_step"], transcendental_rate=figures["transcendental"],
                          attention_flops=figures["attention"], attention_backward_flops=figures["attention_backward"],
                          sync_latency=figures["sync"], fused_step_overhead=figures["fused_step"],
-                         compiled_op_overhead=figures["compiled_overhead"],
-                         compiled_mem_bandwidth=figures["compiled_bandwidth"])
+                         compiled_op_overhead=figures.get("compiled_overhead"),
+                         compiled_mem_bandwidth=figures.get("compiled_bandwidth"))
     say("a reference training step's graph run as a step runs it, against what the rates above price it")
     reference = measure_in_step(spec, device, iters)
-    compiled_reference = measure_in_step(spec, device, iters, compiled=True)
-    spec = replace(spec, in_step_scale=reference.scale, compiled_in_step_scale=compiled_reference.scale)
+    compiled_reference = measure_in_step(spec, device, iters, compiled=True) if compiled else None
+    spec = replace(spec, in_step_scale=reference.scale,
+                   compiled_in_step_scale=compiled_reference.scale if compiled else spec.compiled_in_step_scale)
     return Calibration(spec, tuple(samples), figures["matmul"], figures["attention"], figures["bandwidth"],
                        figures["overhead"], figures["param_step"], figures["transcendental"],
                        figures["attention_backward"], figures["sync"], figures["fused_step"],
-                       figures["compiled_overhead"], figures["compiled_bandwidth"], reference, compiled_reference)
+                       figures.get("compiled_overhead", 0.0), figures.get("compiled_bandwidth", 0.0), reference,
+                       compiled_reference)
 
 
 def _device() -> torch.device:
