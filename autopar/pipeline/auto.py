@@ -17,7 +17,10 @@ One capture of the whole batch (under the mixed-precision policy, with `example_
      pipeline's step (SPMD is far from the work's own time: a pipeline may win by a wide margin). The
      rule reads the 1-D plan and the device count only, so Mesh((N,)) and Mesh((N // k, k)) search
      the same pipelines, and the same inputs give the same plan; search="exact" always searches them. `plan.solver["search"]` says which ran.
-  3. The fastest feasible candidate is the plan. A pipelined one is built from the very solution the
+  3. Only when nothing above fits: SPMD on every other 2-D grid (N / k) x k of the same devices
+     (`autopar.pipeline.regrid`), so that feasibility never falls as devices are added (a batch of 64
+     that 64 devices run as a pipeline runs on 1,024 as 64 x 16).
+  4. The fastest feasible candidate is the plan. A pipelined one is built from the very solution the
      search priced (`Profiler.solution`, `stages.partition`'s split): its predicted step and memory
      are the search's.
 When nothing fits, InfeasiblePlanError.min_memory_per_device is a lower bound over the whole space:
@@ -37,6 +40,7 @@ from autopar.debug import PhaseTimer, log
 from autopar.errors import InfeasiblePlanError, InputError
 from autopar.mesh import Mesh
 from autopar.pipeline import planning as pipelined
+from autopar.pipeline import regrid
 from autopar.pipeline.candidates import Candidate, branch_and_bound
 from autopar.pipeline.layer_profile import layer_costs
 from autopar.pipeline.search import Profiler, batch_size, candidate_jobs, state_floor
@@ -117,6 +121,14 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     if piped is not None and piped.step_time < incumbent:
         with timer("stages"):
             best = pipelined_plan(prof, piped, model, budget, timer)
+    if best is None:   # last resort: SPMD on the other (N / k) x k grids of the same devices (`regrid`)
+        with timer("regrid"):
+            more, failed = regrid.plan_regridded(captured, model, example_inputs, mesh, _batch(example_inputs),
+                                                 memory_budget=memory_budget,
+                                                 optimizer=optimizer, time_limit=time_limit, baselines=False,
+                                                 recompute=recompute)
+        plans, floors = plans + more, floors + failed
+        best = min((p for p in more if p.feasible), key=lambda p: p.predicted_step_time, default=None)
     if best is None:
         raise _infeasible(model, mesh, budget, optimizer, plans, floors, found, pipelines)
     timer["total"] = sum(v for k, v in timer.items() if k != "total")
@@ -157,11 +169,16 @@ def _spmd_meshes(mesh: Mesh) -> list[Mesh]:
     return [mesh, Mesh((mesh.size,), hardware=mesh.hardware, devices_per_node=mesh.devices_per_node)]
 
 
-def _splits_batch(example_inputs) -> bool:
+def _batch(example_inputs) -> int | None:
     try:
-        return batch_size(example_inputs) > 1
+        return batch_size(example_inputs)
     except InputError:
-        return False
+        return None
+
+
+def _splits_batch(example_inputs) -> bool:
+    batch = _batch(example_inputs)
+    return batch is not None and batch > 1
 
 
 def _label(c: Candidate) -> str:
