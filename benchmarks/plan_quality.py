@@ -193,7 +193,7 @@ def layout(plan) -> str:
     return f"spmd {sub}{rc}"
 
 
-def run(name: str, n: int, precision: str, budgets, search: str) -> list[dict]:
+def run(name: str, n: int, precision: str, budgets, search: str, verbose: bool = False) -> list[dict]:
     import autopar
     from autopar.pipeline.search import Profiler
     model, inputs = build(name, n)
@@ -208,6 +208,9 @@ def run(name: str, n: int, precision: str, budgets, search: str) -> list[dict]:
         hand, cutoff = {}, float("inf")
         for r, kw in sorted(recipes(n).items(), key=lambda item: bool(item[1].get("ac"))):   # --ac ones last
             hand[r] = best_recipe(prof, model, inputs, mesh, budget, kw, cutoff)
+            if verbose:
+                print(f"    {r:<12} {hand[r][0] * 1e3 if hand[r] else float('nan'):10.1f} ms  "
+                      f"{hand[r][1] if hand[r] else 'infeasible or pruned'}", flush=True)
             cutoff = min([cutoff] + [hand[r][0]] if hand[r] else [cutoff])
         fits = {r: h for r, h in hand.items() if h is not None}
         best = min(fits, key=lambda r: fits[r][0], default=None)
@@ -240,6 +243,7 @@ def main() -> None:
     ap.add_argument("--precision", action="append", choices=("fp32", "bf16"))
     ap.add_argument("--budget", action="append", help=f"memory budget per device (default: {', '.join(BUDGETS)})")
     ap.add_argument("--search", default="fast", choices=("fast", "exact"), help="auto's search= (default: fast)")
+    ap.add_argument("--verbose", action="store_true", help="print every recipe's best layout")
     args = ap.parse_args()
     if args.quick:
         cases = QUICK
@@ -256,7 +260,7 @@ def main() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name, n, precision in cases:
-            rows += run(name, n, precision, tuple(args.budget or BUDGETS), args.search)
+            rows += run(name, n, precision, tuple(args.budget or BUDGETS), args.search, args.verbose)
     both = [r for r in rows if r["auto"] and r["hand"]]
     at_most = sum(r["auto"].predicted_step_time <= r["hand"][0] * (1 + TIE) for r in both)
     better = sum(r["auto"].predicted_step_time <= 0.9 * r["hand"][0] for r in both)

@@ -136,8 +136,8 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
         raise _infeasible(model, mesh, budget, optimizer, plans, floors, found, pipelines)
     timer["total"] = sum(v for k, v in timer.items() if k != "total")
     table = dict(best.baselines)
-    for p in plans:
-        if p is not best and p.feasible:
+    for p in plans:   # the caller's mesh and its flattening (the other grids stay out of the summary)
+        if p is not best and p.feasible and (p.mesh == mesh or p.mesh.ndim == 1):
             table[f"spmd {p.mesh.shape}"] = {"feasible": True, "time": p.predicted_step_time,
                                               "memory": p.memory_per_device, "reason": ""}
     runner_up = piped if best.stages == () else min(
