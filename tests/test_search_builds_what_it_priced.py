@@ -57,7 +57,7 @@ def _check(case, mesh, budget, mixed_precision, schedule, m):
 
 # two nodes of H100s: a pipeline across them beats every SPMD layout of this model (its gradients'
 # inter-node all-reduce exceeds its compute); fp32 without and with a budget, bf16 with one (bf16
-# without a budget picks the same layout: left out to keep the file short)
+# without a budget also picked a pipeline when run once: left out to keep the file short)
 @pytest.mark.parametrize("mixed_precision, budget", [(None, None), (None, "1GB"), ("bf16", "1GB")])
 def test_pipelined_rows_build_what_the_search_priced(mixed_precision, budget):
     case = models.meta_gpt(n_layer=4, n_embd=256, n_head=4, batch=16, seq=128)
