@@ -2,7 +2,8 @@
 on H100-priced meshes, no processes.
 
 - the same N devices as (N / 8) x 8 plan whatever N as one axis plans, as fast or faster;
-- feasibility is monotone in the device count (strong scaling: more devices never stop fitting);
+- feasibility is monotone in the device count (strong scaling: more devices never stop fitting), also
+  past the devices a batch splits over (SPMD on another (N / k) x k grid, `autopar.pipeline.regrid`);
 - InfeasiblePlanError.min_memory_per_device is at most every forced plan's memory (recipes, recompute
   settings, stage counts): a lower bound over the search space.
 """
@@ -80,3 +81,20 @@ def test_the_reported_minimum_is_a_lower_bound_over_forced_plans():
     for kw in forced:
         p = _plan(case, mesh if kw.get("num_stages") is None else _mesh(16, False), **kw)
         assert p.memory_per_device >= bound * (1 - 1e-9), (kw, p.memory_per_device, bound)
+
+
+@pytest.mark.parametrize("two_d", [False, True])
+def test_more_devices_than_the_batch_splits_over_still_fit(two_d):
+    """The counter-example of issue 27: under 10 MB a batch of 64 fits on 64 devices (a pipeline, forced
+    here as the search finds it: the search itself takes minutes on two cores) but no pipeline splits
+    it over 1,024 and SPMD on (1024,) has no axis to split activations over: the search refused
+    Mesh((1024,)). Now it plans SPMD on another grid of the same 1,024 devices (every device used, honest
+    links); Mesh((128, 8)) fits as it is.
+    A short solver time limit keeps the test fast: the solver's fallback plan must still fit."""
+    case, budget = _gpt(), 0.01 * GB
+    pipe = autopar.Mesh((2, 8, 4), ("pp", "dp", "tp"), hardware="h100", devices_per_node=8)
+    small = _plan(case, pipe, memory_budget=budget, num_microbatches=8, schedule="1f1b", time_limit=5)
+    assert small.memory_per_device <= budget and len(small.stages) == 2
+    big = _plan(case, _mesh(1024, two_d), memory_budget=budget, time_limit=5)
+    assert big.mesh.size == 1024 and big.memory_per_device <= budget
+    assert big.feasible and (two_d or tuple(big.mesh.shape) != (1024,)), big.mesh

@@ -5,7 +5,10 @@ One capture of the whole batch (under the mixed-precision policy, with `example_
      (recompute decided by the solver, the textbook recipes as its baselines); on a mesh of several
      axes also the SPMD plan on its 1-D flattening (the same devices, hardware and devices per node),
      so that every layout `Mesh((N,))` plans is a candidate of `Mesh((N // k, k))` too, priced with
-     the same links: the 2-D plan is never slower than the 1-D one, and never infeasible where it fits.
+     the same links: the 2-D plan is never slower than the 1-D one, and never infeasible where it fits;
+     and on the grids (N / t) x t, t > 1 dividing a node, that neither is (data x tensor parallel with
+     tp inside a node, as the pipeline search's sub-meshes: without them a pp = 1 layout such as
+     4 x 2 on Mesh((8,)) was no candidate at all, and a dp x tp recipe could beat the default).
   2. pp >= 2: the pipeline candidates of `autopar.pipeline.search` (pp x dp x tp with tp inside a
      node, micro-batch counts, the runtime's schedules), by branch and bound with the fastest SPMD
      plan's step as the incumbent: a candidate is priced (its micro-batch graph captured, its stage
@@ -17,7 +20,10 @@ One capture of the whole batch (under the mixed-precision policy, with `example_
      pipeline's step (SPMD is far from the work's own time: a pipeline may win by a wide margin). The
      rule reads the 1-D plan and the device count only, so Mesh((N,)) and Mesh((N // k, k)) search
      the same pipelines, and the same inputs give the same plan; search="exact" always searches them. `plan.solver["search"]` says which ran.
-  3. The fastest feasible candidate is the plan. A pipelined one is built from the very solution the
+  3. Only when nothing above fits: SPMD on every other 2-D grid (N / k) x k of the same devices
+     (`autopar.pipeline.regrid`), so that feasibility never falls as devices are added (a batch of 64
+     that 64 devices run as a pipeline runs on 1,024 as 64 x 16).
+  4. The fastest feasible candidate is the plan. A pipelined one is built from the very solution the
      search priced (`Profiler.solution`, `stages.partition`'s split): its predicted step and memory
      are the search's.
 When nothing fits, InfeasiblePlanError.min_memory_per_device is a lower bound over the whole space:
@@ -37,6 +43,7 @@ from autopar.debug import PhaseTimer, log
 from autopar.errors import InfeasiblePlanError, InputError
 from autopar.mesh import Mesh
 from autopar.pipeline import planning as pipelined
+from autopar.pipeline import regrid
 from autopar.pipeline.candidates import Candidate, branch_and_bound
 from autopar.pipeline.layer_profile import layer_costs
 from autopar.pipeline.search import Profiler, batch_size, candidate_jobs, state_floor
@@ -117,12 +124,20 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     if piped is not None and piped.step_time < incumbent:
         with timer("stages"):
             best = pipelined_plan(prof, piped, model, budget, timer)
+    if best is None:   # last resort: SPMD on the other (N / k) x k grids of the same devices (`regrid`)
+        with timer("regrid"):
+            more, failed = regrid.plan_regridded(captured, model, example_inputs, mesh, _batch(example_inputs),
+                                                 memory_budget=memory_budget,
+                                                 optimizer=optimizer, time_limit=time_limit, baselines=False,
+                                                 recompute=recompute)
+        plans, floors = plans + more, floors + failed
+        best = min((p for p in more if p.feasible), key=lambda p: p.predicted_step_time, default=None)
     if best is None:
         raise _infeasible(model, mesh, budget, optimizer, plans, floors, found, pipelines)
     timer["total"] = sum(v for k, v in timer.items() if k != "total")
     table = dict(best.baselines)
-    for p in plans:
-        if p is not best and p.feasible:
+    for p in plans:   # the caller's mesh and its flattening (the other grids stay out of the summary)
+        if p is not best and p.feasible and (p.mesh == mesh or p.mesh.ndim == 1):
             table[f"spmd {p.mesh.shape}"] = {"feasible": True, "time": p.predicted_step_time,
                                               "memory": p.memory_per_device, "reason": ""}
     runner_up = piped if best.stages == () else min(
@@ -151,17 +166,27 @@ def pipelined_plan(prof: Profiler, best: Candidate, model, budget, timer) -> Pla
 
 
 def _spmd_meshes(mesh: Mesh) -> list[Mesh]:
-    """The caller's mesh, then (several axes) its 1-D flattening: the same devices and links."""
-    if mesh.ndim == 1:
-        return [mesh]
-    return [mesh, Mesh((mesh.size,), hardware=mesh.hardware, devices_per_node=mesh.devices_per_node)]
+    """The caller's mesh, then (several axes) its 1-D flattening: the same devices and links; then the
+    grids (N / t) x t with t > 1 dividing a node (tensor parallel inside a node, the pipeline search's
+    pp = 1 sub-meshes) that are neither: a 1-D mesh of 8 H100s also plans as 4 x 2 and 2 x 4."""
+    n, dpn = mesh.size, mesh.devices_per_node
+    out = [mesh] if mesh.ndim == 1 else [mesh, Mesh((n,), hardware=mesh.hardware, devices_per_node=dpn)]
+    for t in range(2, dpn + 1):
+        if dpn % t == 0 and n % t == 0 and n // t > 1 and all(tuple(m.shape) != (n // t, t) for m in out):
+            out.append(Mesh((n // t, t), hardware=mesh.hardware, devices_per_node=dpn))
+    return out
+
+
+def _batch(example_inputs) -> int | None:
+    try:
+        return batch_size(example_inputs)
+    except InputError:
+        return None
 
 
 def _splits_batch(example_inputs) -> bool:
-    try:
-        return batch_size(example_inputs) > 1
-    except InputError:
-        return False
+    batch = _batch(example_inputs)
+    return batch is not None and batch > 1
 
 
 def _label(c: Candidate) -> str:
