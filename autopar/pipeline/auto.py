@@ -5,10 +5,9 @@ One capture of the whole batch (under the mixed-precision policy, with `example_
      (recompute decided by the solver, the textbook recipes as its baselines); on a mesh of several
      axes also the SPMD plan on its 1-D flattening (the same devices, hardware and devices per node),
      so that every layout `Mesh((N,))` plans is a candidate of `Mesh((N // k, k))` too, priced with
-     the same links: the 2-D plan is never slower than the 1-D one, and never infeasible where it fits;
-     and on the grids (N / t) x t, t > 1 dividing a node, that neither is (data x tensor parallel with
-     tp inside a node, as the pipeline search's sub-meshes: without them a pp = 1 layout such as
-     4 x 2 on Mesh((8,)) was no candidate at all, and a dp x tp recipe could beat the default).
+     the same links: the 2-D plan is never slower than the 1-D one, and never infeasible where it fits.
+     (The grids (N / t) x t that are neither are not priced when something fits: a plan keeps the
+     caller's mesh shape; a 1-D mesh's dp x tp layouts are its solver's to find, see regrid.py.)
   2. pp >= 2: the pipeline candidates of `autopar.pipeline.search` (pp x dp x tp with tp inside a
      node, micro-batch counts, the runtime's schedules), by branch and bound with the fastest SPMD
      plan's step as the incumbent: a candidate is priced (its micro-batch graph captured, its stage
@@ -166,15 +165,10 @@ def pipelined_plan(prof: Profiler, best: Candidate, model, budget, timer) -> Pla
 
 
 def _spmd_meshes(mesh: Mesh) -> list[Mesh]:
-    """The caller's mesh, then (several axes) its 1-D flattening: the same devices and links; then the
-    grids (N / t) x t with t > 1 dividing a node (tensor parallel inside a node, the pipeline search's
-    pp = 1 sub-meshes) that are neither: a 1-D mesh of 8 H100s also plans as 4 x 2 and 2 x 4."""
-    n, dpn = mesh.size, mesh.devices_per_node
-    out = [mesh] if mesh.ndim == 1 else [mesh, Mesh((n,), hardware=mesh.hardware, devices_per_node=dpn)]
-    for t in range(2, dpn + 1):
-        if dpn % t == 0 and n % t == 0 and n // t > 1 and all(tuple(m.shape) != (n // t, t) for m in out):
-            out.append(Mesh((n // t, t), hardware=mesh.hardware, devices_per_node=dpn))
-    return out
+    """The caller's mesh, then (several axes) its 1-D flattening: the same devices and links."""
+    if mesh.ndim == 1:
+        return [mesh]
+    return [mesh, Mesh((mesh.size,), hardware=mesh.hardware, devices_per_node=mesh.devices_per_node)]
 
 
 def _batch(example_inputs) -> int | None:

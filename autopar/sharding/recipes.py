@@ -109,8 +109,13 @@ def _best(enum: StrategyEnumerator, node: fx.Node, have: list):
     if not fits or not have:  # factories (no tensor inputs) stay replicated
         return R if not call.multi else tuple(R if o is not None else None for o in call.outs)
     # exact input matches first (a free slice of a Replicate input is a last resort), then
-    # Shard > Partial > Replicate outputs; max keeps the first among equals: deterministic
-    best = max(fits, key=lambda s: (sum(w == g for w, g in zip(s.ins, have)), _rank(s.outs)))
+    # Shard > Partial > Replicate outputs; max keeps the first among equals: deterministic. From replicated
+    # inputs only, a Partial output comes last: e.g. SiLU's backward builds its constant 1 with
+    # full_like(empty_permuted(...)); as Partial(avg) it met the sharded sigmoid in a `sub` that no strategy
+    # fits, so every data-parallel recipe all-reduced a whole-batch [batch, seq, ffn] tensor twice per layer.
+    replicated = all(g == R for g in have)
+    best = max(fits, key=lambda s: (sum(w == g for w, g in zip(s.ins, have)),
+                                    -1 if replicated and _rank(s.outs) == 1 else _rank(s.outs)))
     return best.outs if call.multi else best.outs[0]
 
 
