@@ -102,9 +102,9 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     explored = False
     if pipelines:
         schedules = (schedule,) if schedule else pipelined.SCHEDULES
-        jobs = candidate_jobs(prof, mesh, batch_size(example_inputs), schedules, num_microbatches,
-                              list(range(2, mesh.size + 1)), accumulate=False)
-        with timer("search"):   # the bounds' one-device problem of the whole batch
+        with timer("search"):   # the bounds' one-device problem of the whole batch (unit count included)
+            jobs = candidate_jobs(prof, mesh, batch_size(example_inputs), schedules, num_microbatches,
+                                  list(range(2, mesh.size + 1)), accumulate=False)
             explored = search == "exact" or flat is None or flat.predicted_step_time > FAST_RATIO * min(
                 (step_lower_bound(*prof.seconds_bound(m, dp * tp), pp, m, s, INTERLEAVE)
                  for pp, dp, tp, m, names in jobs for s in names), default=float("inf"))

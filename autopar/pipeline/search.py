@@ -257,7 +257,8 @@ class Profiler:
         update likewise costs at least max(t / k, c). One capture, the whole batch's, serves every m."""
         if 1 not in self.floors:
             cap, _ = self.captured(1)
-            prob = self._builder(cap, Mesh((1,), ("dp",), self.hardware, self.dpn)).build()
+            # node costs only: on one device no edge reshards, and the loss needs no all-reduce
+            prob = self._builder(cap, Mesh((1,), ("dp",), self.hardware, self.dpn)).build_nodes()
             seconds = np.array([float(np.min(c + lc)) for c, lc in zip(prob.compute, prob.local_comm)])
             param = np.array([n.op == "placeholder" for n in prob.nodes], dtype=bool)
             hw = prob.mesh.hardware   # a parameter's step pays param_step_overhead, an op op_overhead
