@@ -31,3 +31,52 @@ def test_one_device_bound_from_node_costs_equals_a_full_build():
         per, once = np.maximum(seconds / (m * k), launch), np.maximum(seconds / k, launch)
         assert prof.seconds_bound(m, k) == (float(per[~param].sum()), float(once[param].sum()))
     assert prof.num_units() == len(set(unit_names(full)[1])) == 6   # <pre>, 4 layers, <post>
+
+
+def _expanded(mesh_shape):
+    from autopar.capture.canonicalize import canonicalize
+    from autopar.capture.trace import capture
+    from autopar.planning.recompute import expand
+    case = models.meta_gpt(n_layer=4, n_embd=64, n_head=4, batch=8, seq=32)
+    cap = capture(case.model, case.example_inputs)
+    canonicalize(cap.gm)
+    prob = ProblemBuilder(cap, Mesh(mesh_shape, hardware="h100", devices_per_node=4)).build()
+    return expand(prob)
+
+
+def test_recompute_time_optimum_on_the_kept_half_gives_the_full_solve():
+    """`solve(..., time_within=kept_half(ex))` solves the budget-free relaxation on the r = 0 half only:
+    with and without a memory row that forces some recompute, the plan's seconds are the full solve's
+    (within the MIPs' gaps), and the half's lower bound holds for the full solve's plan. (Without the row
+    the full solve's own claimed bound, HiGHS on twice the strategies, was seen 2e-4 above the half's plan.)"""
+    from autopar.planning.recompute import kept_half
+    from autopar.planning.solver import evaluate, min_memory, solve
+    ex = _expanded((2, 2))
+    free = solve(ex.cg, dedup_layers=True)
+    least = min_memory(ex.cg)
+    assert least < free.memory
+    for budget in (None, least * 1.02):
+        ex.cg.memory_budget = budget
+        full = solve(ex.cg, dedup_layers=True)
+        half = solve(ex.cg, dedup_layers=True, time_within=kept_half(ex))
+        # the full solve's plan is a plan of the same problem: a bound from a wrong relaxation would exceed it
+        assert half.lower_bound <= full.time * (1 + 1e-9)
+        assert np.isclose(half.time, full.time, rtol=5e-4), (budget, half.time, full.time)   # the MIP gaps
+        assert budget is None or evaluate(ex.cg, half.choice)[1] <= budget
+    assert any(half.choice[h] == 1 for h in ex.hubs.values())   # the tightest row recomputes
+
+
+def test_refine_deltas_equal_whole_graph_evaluations():
+    """`recompute._deltas` (the terms one layer's recompute changes) equals evaluating the whole
+    expanded graph with and without that layer recomputed."""
+    from autopar.planning.recompute import _deltas, _layer_choice
+    from autopar.planning.solver import evaluate, solve
+    ex = _expanded((4,))
+    base = _layer_choice(ex, solve(ex.cg, dedup_layers=True).choice, set())
+    paths = sorted(ex.hubs)
+    assert len(paths) == 3   # 4 layers, the last never recomputes
+    t0, m0 = evaluate(ex.cg, base)
+    for path, (dt, dm) in zip(paths, _deltas(ex, base, paths)):
+        t1, m1 = evaluate(ex.cg, _layer_choice(ex, base, {path}))
+        assert dt > 0 and dm < 0
+        assert np.isclose(dt, t1 - t0, rtol=1e-9, atol=1e-15) and np.isclose(dm, m1 - m0, rtol=1e-9)
