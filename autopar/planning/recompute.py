@@ -19,7 +19,8 @@ R_ui[s,t] (ZeRO-3 gathers, TP all-reduces). Linearized with z[i,s] = x[i,s] r_l:
 tiling, brute force) honours it unchanged: node i of l gets strategies (s, r) for r in {0, 1}, i.e.
 x[i,s,0] = x[i,s] - z[i,s] and x[i,s,1] = z[i,s]; a two-strategy node r_l joins every such node by
 an edge that forbids (inf) a different r; input edges of a re-run op cost R (1 + r). Tiling solves
-identical layers as one, hence all-or-none per class; `_refine` then picks, for the chosen
+identical layers as one, hence all-or-none per class (the solver's budget-free relaxation is solved
+on the r = 0 half alone, `kept_half`: without a memory row recomputing never pays); `_refine` then picks, for the chosen
 strategies, the cheapest set of layers to recompute (an exact knapsack over layers, solved by
 `solver.solve`), so the plan recomputes only as many layers as the budget forces, the lowest first:
 their recomputed values live while the later layers' activations are already freed.
