@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from autopar import _torch_compat as compat
 from autopar.capture import precision
 from autopar.capture.canonicalize import canonicalize
 from autopar.capture.trace import capture
@@ -70,11 +71,11 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
             f"more devices", min_memory_per_device=floor, budget=budget)
     policy = precision.as_policy(mixed_precision)
     timer = PhaseTimer()
-    if captured is None:
-        with timer("capture"):
+    if captured is None:   # only costed here, never run: no code generated per rewrite (as Profiler.captured)
+        with compat.lazy_recompile(), timer("capture"):
             captured = capture(model, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
                                mixed_precision=policy)
-        with timer("canonicalize"):
+        with compat.lazy_recompile(), timer("canonicalize"):
             canonicalize(captured.gm)
     prof = Profiler(model, example_inputs, mesh.hardware, mesh.devices_per_node, optimizer, loss_fn, time_limit,
                     policy, example_kwargs)
