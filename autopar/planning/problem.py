@@ -83,6 +83,7 @@ class CostProblem:
     reshard: ReshardCost = None
     signatures: dict = field(default_factory=dict)    # op node -> signature (StrategyEnumerator.signature)
     solver_cache: dict = field(default_factory=dict)  # reused across the solves of one plan (planner)
+    restrictions: dict = field(default_factory=dict)  # recipe names -> allowed strategies (spmd.restricted_choices)
 
 
 def model_flops(gm: fx.GraphModule) -> float:
