@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from autopar import _torch_compat as compat
 from autopar.capture import precision
 from autopar.capture.canonicalize import canonicalize
 from autopar.capture.trace import capture
@@ -76,11 +77,11 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
             f"more devices", min_memory_per_device=floor, budget=budget)
     policy = precision.as_policy(mixed_precision)
     timer = PhaseTimer()
-    if captured is None:
-        with timer("capture"):
+    if captured is None:   # only costed here, never run: no code generated per rewrite (as Profiler.captured)
+        with compat.lazy_recompile(), timer("capture"):
             captured = capture(model, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
                                mixed_precision=policy)
-        with timer("canonicalize"):
+        with compat.lazy_recompile(), timer("canonicalize"):
             canonicalize(captured.gm)
     prof = Profiler(model, example_inputs, mesh.hardware, mesh.devices_per_node, optimizer, loss_fn, time_limit,
                     policy, example_kwargs)
@@ -108,9 +109,9 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     explored = False
     if pipelines:
         schedules = (schedule,) if schedule else pipelined.SCHEDULES
-        jobs = candidate_jobs(prof, mesh, batch_size(example_inputs), schedules, num_microbatches,
-                              list(range(2, mesh.size + 1)), accumulate=False)
-        with timer("search"):   # the bounds' one-device problem of the whole batch
+        with timer("search"):   # the bounds' one-device problem of the whole batch (unit count included)
+            jobs = candidate_jobs(prof, mesh, batch_size(example_inputs), schedules, num_microbatches,
+                                  list(range(2, mesh.size + 1)), accumulate=False)
             explored = search == "exact" or flat is None or flat.predicted_step_time > FAST_RATIO * min(
                 (step_lower_bound(*prof.seconds_bound(m, dp * tp), pp, m, s, INTERLEAVE)
                  for pp, dp, tp, m, names in jobs for s in names), default=float("inf"))

@@ -46,7 +46,7 @@ from autopar.planning.costgraph import CostGraph, CostNode
 from autopar.planning.forest_bound import forest_lower_bound, spanning_forest
 from autopar.planning.problem import ProblemBuilder
 from autopar.planning.reshard import ReshardCost
-from autopar.planning.solver import solve
+from autopar.planning.solver import carry_time_optimum, solve
 from autopar.sharding import recipes
 
 DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -225,7 +225,9 @@ class Profiler:
                 nodes.append(CostNode(nd.name, nd.time, np.asarray(nd.memory) + (w - 1.0) * mem["activations"]))
             cg = CostGraph(nodes, prob.cg.edges, None, prob.cg.memory_offset, prob.cg.layer_groups)
             self.weighted = {k: v for k, v in self.weighted.items() if any(v[0] is p for p in self.problems.values())}
-            found = self.weighted[key, w] = (prob, cg, {})
+            cache: dict = {}
+            carry_time_optimum(prob.solver_cache, cache)   # only memory differs: the time optimum holds
+            found = self.weighted[key, w] = (prob, cg, cache)
         return found[1], found[2]
 
     def forest_bound(self, m: int, dp: int, tp: int, strategy, pp: int, schedule: str) -> float:
@@ -257,7 +259,8 @@ class Profiler:
         update likewise costs at least max(t / k, c). One capture, the whole batch's, serves every m."""
         if 1 not in self.floors:
             cap, _ = self.captured(1)
-            prob = self._builder(cap, Mesh((1,), ("dp",), self.hardware, self.dpn)).build()
+            # node costs only: on one device no edge reshards, and the loss needs no all-reduce
+            prob = self._builder(cap, Mesh((1,), ("dp",), self.hardware, self.dpn)).build_nodes()
             seconds = np.array([float(np.min(c + lc)) for c, lc in zip(prob.compute, prob.local_comm)])
             param = np.array([n.op == "placeholder" for n in prob.nodes], dtype=bool)
             hw = prob.mesh.hardware   # a parameter's step pays param_step_overhead, an op op_overhead

@@ -85,6 +85,7 @@ class CostProblem:
     reshard: ReshardCost = None
     signatures: dict = field(default_factory=dict)    # op node -> signature (StrategyEnumerator.signature)
     solver_cache: dict = field(default_factory=dict)  # reused across the solves of one plan (planner)
+    restrictions: dict = field(default_factory=dict)  # recipe names -> allowed strategies (spmd.restricted_choices)
 
 
 def model_flops(gm: fx.GraphModule) -> float:
@@ -189,6 +190,17 @@ class ProblemBuilder:
 
     def build(self, allowed=None) -> CostProblem:
         """`allowed(node, strategies) -> strategies` may restrict choices (forced recipes)."""
+        prob = self.build_nodes(allowed)
+        self._data_edges(prob)
+        self._grad_edges(prob)
+        self._loss(prob)
+        prob.cg = self._cost_graph(prob)
+        return prob
+
+    def build_nodes(self, allowed=None) -> CostProblem:
+        """The CostProblem's nodes, strategies and per-node costs only: no edges, no cost graph (and
+        the loss's all-reduce not yet added). What `autopar.pipeline.search.Profiler.seconds_bound` reads,
+        at about half the cost of `build`."""
         nodes, strats = [], []
         for node in self.gm.graph.nodes:
             if node.op == "output" or is_getitem(node) or val_of(node) is None:
@@ -208,10 +220,6 @@ class ProblemBuilder:
         prob.param_index = {n.meta[NAME]: prob.index[n] for n in nodes
                             if n.op == "placeholder" and n.meta[ROLE] == "param"}
         self._node_costs(prob)
-        self._data_edges(prob)
-        self._grad_edges(prob)
-        self._loss(prob)
-        prob.cg = self._cost_graph(prob)
         return prob
 
     def _strategies(self, node: fx.Node) -> list[NodeStrategy]:

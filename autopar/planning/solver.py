@@ -58,7 +58,7 @@ from autopar.planning.dp_oracle import brute_force, lagrangian, problem_order, s
 from autopar.planning.ilp import BACKENDS, build_model, run_model
 from autopar.planning.simplify import SolverProblem, compact, from_costgraph, quotient_layers, restore, simplify
 
-__all__ = ["solve", "min_memory", "evaluate", "restrict", "brute_force", "BACKENDS"]
+__all__ = ["solve", "min_memory", "evaluate", "restrict", "brute_force", "carry_time_optimum", "BACKENDS"]
 
 # The ILP itself (variables, constraint families, backends) lives in `autopar.planning.ilp`.
 _MIP_BACKEND = "cpsat"     # the ILP used by "auto" (see BENCHMARK in autopar.planning.ilp)
@@ -111,6 +111,25 @@ def _time_optimum(p: SolverProblem, order: list[int] | None, deadline: float, st
     if order is not None:
         return solve_unconstrained(p, order=order)
     return _unconstrained_mip(p, deadline, stats, gap)
+
+
+def _time_within(p: SolverProblem, within: dict[int, np.ndarray], deadline: float, stats: dict, gap: float
+                 ) -> tuple[dict[int, int], float] | None:
+    """`_time_optimum` of p solved on the strategies `within` only (the others forbidden, then the
+    smaller problem compacted without its memory row): the same optimum when `within` holds one, on a
+    problem that may be a fraction of p's size (recompute's r = 0 half: `solve`'s time_within)."""
+    q = p.copy()
+    q.budget = None
+    for i, mask in within.items():
+        q.time[i] = np.where(mask, q.time[i], np.inf)
+    compacted = compact(q)
+    if compacted is None:
+        return None
+    r, keep = compacted
+    out = _time_optimum(r, problem_order(r), deadline, stats, gap)
+    if out is None:
+        return None
+    return {i: int(keep[i][k]) for i, k in out[0].items()}, out[1]
 
 
 def _pair_variables(p: SolverProblem) -> int:
@@ -173,11 +192,12 @@ def _fits(p: SolverProblem, choice: dict[int, int] | None) -> bool:
 
 
 def _search(p: SolverProblem, backend: str, deadline: float, hint: dict[int, int] | None,
-            deterministic: bool, stats: dict, gap: float, memo: _Memo | None = None
-            ) -> tuple[dict[int, int], str, float, str]:
+            deterministic: bool, stats: dict, gap: float, memo: _Memo | None = None,
+            within: dict[int, np.ndarray] | None = None) -> tuple[dict[int, int], str, float, str]:
     """The solve strategy of the module docstring; returns (assignment, status, bound, backend).
     `memo` recalls the two budget-free relaxations (time optimum, least memory) from an earlier
-    solve of the same graph and `fixed` under another budget."""
+    solve of the same graph and `fixed` under another budget. `within`: p's strategies (a mask per
+    node) among which a time optimum without the memory row lies (`solve`'s time_within)."""
     memo = memo or _Memo(None, {})
     bound, candidates, out, exact = -math.inf, [hint] if _fits(p, hint) else [], None, "dp"
     order = problem_order(p)  # None: the DP's tables would be too large (found before any work)
@@ -188,7 +208,8 @@ def _search(p: SolverProblem, backend: str, deadline: float, hint: dict[int, int
             least = memo.get("least", lambda: _least_memory(p, order))[1]
             if not math.isfinite(least) or least > p.budget:
                 _raise_infeasible(p, least)
-        out = memo.get("time", lambda: _time_optimum(p, order, deadline, stats, gap))
+        out = memo.get("time", lambda: _time_optimum(p, order, deadline, stats, gap) if within is None
+                       else _time_within(p, within, deadline, stats, gap))
         exact = "dp" if order is not None else "highs"
         if out is not None:
             if _fits(p, out[0]):
@@ -248,7 +269,8 @@ def restrict(cg: CostGraph, allowed: dict[int, list[int]]) -> tuple[CostGraph, l
 def solve(cg: CostGraph, *, time_limit: float | None = None, backend: str = "auto",
           hint: np.ndarray | None = None, deterministic: bool = True,
           fixed: dict[int, list[int]] | None = None, dedup_layers: bool = False,
-          mip_gap: float = 1e-4, cache: dict | None = None) -> Solution:
+          mip_gap: float = 1e-4, cache: dict | None = None,
+          time_within: dict[int, list[int]] | None = None) -> Solution:
     """Pick one strategy per node minimising total seconds under the memory budget.
 
     `fixed` maps a node to the strategy indices it may use; `dedup_layers` solves one layer per
@@ -258,6 +280,10 @@ def solve(cg: CostGraph, *, time_limit: float | None = None, backend: str = "aut
     `cache`: a dict kept by a caller that solves the same `cg` several times (other `fixed`, hint or
     memory budget, but the same nodes, edges and layers): work that depends on those only is reused
     (the layer quotient; the time optimum without the memory row and the least memory, per `fixed`).
+    `time_within` maps nodes to strategy indices among which the caller knows an optimum *without the
+    memory row* lies (recompute: every layer's r = 0 half, `autopar.planning.recompute`): that
+    relaxation is solved on those strategies only. Everything else sees every strategy, so the result
+    is the same; a wrong `time_within` gives a wrong bound, never an over-budget plan.
     """
     if backend not in BACKENDS:
         raise InputError(f"unknown solver backend {backend!r}; choose one of {sorted(BACKENDS)}")
@@ -265,11 +291,14 @@ def solve(cg: CostGraph, *, time_limit: float | None = None, backend: str = "aut
     deadline = start + time_limit if time_limit is not None else math.inf
     if dedup_layers and cg.layer_groups:
         return _solve_tiled(cg, time_limit=time_limit, backend=backend, hint=hint,
-                            deterministic=deterministic, fixed=fixed, mip_gap=mip_gap, cache=cache)
+                            deterministic=deterministic, fixed=fixed, mip_gap=mip_gap, cache=cache,
+                            time_within=time_within)
     if hint is not None and len(hint) != len(cg.nodes):
         raise InputError(f"hint has {len(hint)} entries for {len(cg.nodes)} nodes")
     full = from_costgraph(cg, fixed)
-    compacted = compact(full)
+    # with a cache, memory counts in dominance even without a budget: every solve of this graph then
+    # keeps the same strategies, so a relaxation one solve stored maps into the next (`_Memo`)
+    compacted = compact(full, use_memory=full.budget is not None or cache is not None)
     if compacted is None:
         _raise_infeasible(full, math.inf)
     p, keep = compacted
@@ -277,8 +306,9 @@ def solve(cg: CostGraph, *, time_limit: float | None = None, backend: str = "aut
              "kept_strategies": sum(len(k) for k in keep.values())}
     store = None if cache is None else cache.setdefault(("relaxations", _fixed_key(fixed), cg.memory_offset), {})
     memo = _Memo(store, keep)
+    within = None if time_within is None else {i: np.isin(keep[i], time_within[i]) for i in time_within}
     choice_d, status, bound, used = _search(p, backend, deadline, _compact_hint(hint, keep), deterministic, stats,
-                                            mip_gap, memo)
+                                            mip_gap, memo, within)
     choice = np.array([keep[i][choice_d[i]] for i in range(len(cg.nodes))], dtype=np.int64)
     if hint is not None and status != "optimal" and _fits(full, dict(enumerate(hint))) \
             and full.evaluate(dict(enumerate(hint)))[0] < full.evaluate(dict(enumerate(choice)))[0]:
@@ -286,6 +316,17 @@ def solve(cg: CostGraph, *, time_limit: float | None = None, backend: str = "aut
     t, mem = evaluate(cg, choice)
     bound = min(bound, t)
     return Solution(choice, t, mem, bound, status, used, _time.monotonic() - start, stats)
+
+
+def carry_time_optimum(src: dict, dst: dict) -> None:
+    """Seed the solver cache `dst` of a graph that is `src`'s graph but for its node memory (the same
+    nodes, strategies, node times, edges, layers and memory offset: activations weighed otherwise,
+    `autopar.pipeline.search.Profiler`) with the budget-free time optimum `src` holds: it reads no
+    memory. Recalled as any cached relaxation (`_Memo`): used only where its strategies are all kept."""
+    for level, inner in ((src, dst), (src.get("quotient_solves", {}), dst.setdefault("quotient_solves", {}))):
+        for key, found in level.items():
+            if isinstance(key, tuple) and key[0] == "relaxations" and "time" in found:
+                inner.setdefault(key, {}).setdefault("time", found["time"])
 
 
 def _fixed_key(fixed: dict[int, list[int]] | None) -> tuple:
@@ -317,11 +358,19 @@ def _node_memory_floor(cg: CostGraph, fixed: dict[int, list[int]] | None) -> flo
     """memory_offset + Σ_i min memory over i's allowed finite-time strategies (`_memory_floor` of the
     full graph without building its SolverProblem): no plan, tiled or not, needs less."""
     total = cg.memory_offset
+    fixed = fixed or {}
+    least: dict[tuple[int, int, int], float] = {}   # identical layers share their arrays (and lists)
     for i, nd in enumerate(cg.nodes):
-        mem, ok = np.asarray(nd.memory, float), np.isfinite(np.asarray(nd.time, float))
-        if fixed and i in fixed:
-            ok = ok & np.isin(np.arange(len(mem)), fixed[i])
-        total += float(mem[ok].min(initial=math.inf))
+        allowed = fixed.get(i)
+        key = (id(nd.memory), id(nd.time), id(allowed))
+        if key not in least:
+            mem, ok = np.asarray(nd.memory, float), np.isfinite(np.asarray(nd.time, float))
+            if allowed is not None:
+                mask = np.zeros(len(mem), dtype=bool)
+                mask[list(allowed)] = True
+                ok = ok & mask
+            least[key] = float(mem[ok].min(initial=math.inf))
+        total += least[key]
     return total
 
 
@@ -340,7 +389,7 @@ def _quotient_fixed(fixed: dict[int, list[int]] | None, rep: np.ndarray) -> dict
 
 
 def _solve_tiled(cg: CostGraph, *, hint: np.ndarray | None, fixed: dict[int, list[int]] | None,
-                 cache: dict | None = None, **kw) -> Solution:
+                 cache: dict | None = None, time_within: dict[int, list[int]] | None = None, **kw) -> Solution:
     """Solve the layer quotient, tile its plan; fall back to the full graph if no tiled plan fits,
     unless the least tiled memory already equals the full graph's per-node floor (then no plan fits:
     this skips a full-graph solve per infeasible memory row of the pipeline search)."""
@@ -349,12 +398,14 @@ def _solve_tiled(cg: CostGraph, *, hint: np.ndarray | None, fixed: dict[int, lis
     qfixed = _quotient_fixed(fixed, rep)
     inner = None if cache is None else cache.setdefault("quotient_solves", {})   # the quotient's relaxations
     try:
-        sq = solve(q, hint=None if hint is None else np.asarray(hint)[first], fixed=qfixed, cache=inner, **kw)
+        qwithin = None if time_within is None else _quotient_fixed(time_within, rep)
+        sq = solve(q, hint=None if hint is None else np.asarray(hint)[first], fixed=qfixed, cache=inner,
+                   time_within=qwithin, **kw)
     except InfeasiblePlanError as e:
         least = e.min_memory_per_device
         if least is not None and math.isfinite(least) and least <= _node_memory_floor(cg, fixed) * (1 + 1e-12):
             raise   # no plan of the full graph needs less than its node floor: untiled plans fit no better
-        return solve(cg, hint=hint, fixed=fixed, cache=cache, **kw)
+        return solve(cg, hint=hint, fixed=fixed, cache=cache, time_within=time_within, **kw)
     choice = sq.choice[rep]
     t, mem = evaluate(cg, choice)
     stats = {**sq.stats, "tiled": True, "nodes": len(cg.nodes), "quotient_nodes": len(q.nodes)}

@@ -94,6 +94,16 @@ def _tensors(inputs) -> list:
 
 
 def restricted_choices(prob, captured, mesh, names, propagated=None) -> dict[int, list[int]] | None:
+    """node index -> the strategies recipe `names` (one per mesh axis) allows, or None for auto.
+    Kept on the CostProblem (the baselines and recompute's recipe hints both ask: a walk over every
+    node, ~2 s for Llama-3-70B); the lists are shared, callers never change them."""
+    key = (tuple(names), id(captured.gm), tuple(mesh.shape))
+    if key not in prob.restrictions:
+        prob.restrictions[key] = _restricted_choices(prob, captured, mesh, names, propagated)
+    return prob.restrictions[key]
+
+
+def _restricted_choices(prob, captured, mesh, names, propagated=None) -> dict[int, list[int]] | None:
     allowed = recipes.restriction(captured.gm, names, tuple(mesh.shape), propagated, prob.signatures)
     if allowed is None:
         return None
