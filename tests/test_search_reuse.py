@@ -80,29 +80,3 @@ def test_refine_deltas_equal_whole_graph_evaluations():
         t1, m1 = evaluate(ex.cg, _layer_choice(ex, base, {path}))
         assert dt > 0 and dm < 0
         assert np.isclose(dt, t1 - t0, rtol=1e-9, atol=1e-15) and np.isclose(dm, m1 - m0, rtol=1e-9)
-
-
-def test_profiler_rows_and_weights_reuse_the_time_optimum():
-    """A group's solves under other memory rows and activation weights recall the budget-free time
-    optimum of its first solve (the cached relaxation is the same object, not solved again), and each
-    profile is that of a cold Profiler solving that row alone (within the search's MIP gap)."""
-    from autopar.pipeline.search import SEARCH_GAP
-    case = models.meta_gpt(n_layer=4, n_embd=128, n_head=4, batch=16, seq=64)
-    hw = autopar.Mesh((8,), hardware="h100").hardware
-    warm = Profiler(case.model, case.example_inputs, hw, 4)
-    rows = ((None, 1.0), (4e9, 1.0), (4e9, 2.5))
-
-    def relaxation(cache):
-        (found,) = [v["time"] for k, v in cache["quotient_solves"].items() if "time" in v]
-        return found
-    first = None
-    for row, w in rows:
-        got = warm.layers(2, 2, 4, row, act_weight=w)
-        first = first or relaxation(warm.problem(2, 2, 4).solver_cache)
-        cache = warm.problem(2, 2, 4).solver_cache if w == 1.0 else warm._weighted(warm.problem(2, 2, 4), (2, (2, 4), None), w)[1]
-        assert relaxation(cache) is first, (row, w)
-        cold = Profiler(case.model, case.example_inputs, hw, 4).layers(2, 2, 4, row, act_weight=w)
-        for a, b in ((got, cold),):
-            t = [sum(u.forward + u.backward + u.per_step for u in x) for x in (a, b)]
-            m = [sum(u.state_bytes + w * u.activation_bytes for u in x) for x in (a, b)]
-            assert np.isclose(t[0], t[1], rtol=SEARCH_GAP) and (row is None or max(m) <= row), (row, w, t, m)

@@ -46,7 +46,7 @@ from autopar.planning.costgraph import CostGraph, CostNode
 from autopar.planning.forest_bound import forest_lower_bound, spanning_forest
 from autopar.planning.problem import ProblemBuilder
 from autopar.planning.reshard import ReshardCost
-from autopar.planning.solver import carry_time_optimum, solve
+from autopar.planning.solver import solve
 from autopar.sharding import recipes
 
 DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -225,9 +225,7 @@ class Profiler:
                 nodes.append(CostNode(nd.name, nd.time, np.asarray(nd.memory) + (w - 1.0) * mem["activations"]))
             cg = CostGraph(nodes, prob.cg.edges, None, prob.cg.memory_offset, prob.cg.layer_groups)
             self.weighted = {k: v for k, v in self.weighted.items() if any(v[0] is p for p in self.problems.values())}
-            cache: dict = {}
-            carry_time_optimum(prob.solver_cache, cache)   # only memory differs: the time optimum holds
-            found = self.weighted[key, w] = (prob, cg, cache)
+            found = self.weighted[key, w] = (prob, cg, {})
         return found[1], found[2]
 
     def forest_bound(self, m: int, dp: int, tp: int, strategy, pp: int, schedule: str) -> float:

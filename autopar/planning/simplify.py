@@ -302,21 +302,18 @@ def _dominated(p: SolverProblem, v: int, keep: dict[int, np.ndarray], use_memory
     return beats.any(axis=0)
 
 
-def compact(p: SolverProblem, use_memory: bool | None = None) -> tuple[SolverProblem, dict[int, np.ndarray]] | None:
+def compact(p: SolverProblem) -> tuple[SolverProblem, dict[int, np.ndarray]] | None:
     """Drop forbidden strategies (arc consistency) and dominated ones, to a fixpoint; exact.
 
     Returns the smaller problem and keep[i] (original index of each kept strategy of node i), or None
     when some node has no allowed strategy left (no plan exists). On 2-D meshes nodes carry up to
-    ~64 per-axis products, most of them dominated; pruning them keeps the DP tables small.
-    `use_memory` (default: p has a budget): memory counts in dominance. Kept strategies then depend on
-    whether memory counts, never on the budget's value, so the solves of one graph under several
-    budgets (and none) keep the same strategies when it is True for all of them."""
+    ~64 per-axis products, most of them dominated; pruning them keeps the DP tables small."""
     q = p.copy()
     arc_consistency(q)
     keep = {i: np.flatnonzero(np.isfinite(t)) for i, t in q.time.items()}
     if any(len(k) == 0 for k in keep.values()):
         return None
-    use_memory = p.budget is not None if use_memory is None else use_memory
+    use_memory = p.budget is not None
     todo = set(q.time)
     while todo:
         nxt: set[int] = set()

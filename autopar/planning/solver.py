@@ -58,7 +58,7 @@ from autopar.planning.dp_oracle import brute_force, lagrangian, problem_order, s
 from autopar.planning.ilp import BACKENDS, build_model, run_model
 from autopar.planning.simplify import SolverProblem, compact, from_costgraph, quotient_layers, restore, simplify
 
-__all__ = ["solve", "min_memory", "evaluate", "restrict", "brute_force", "carry_time_optimum", "BACKENDS"]
+__all__ = ["solve", "min_memory", "evaluate", "restrict", "brute_force", "BACKENDS"]
 
 # The ILP itself (variables, constraint families, backends) lives in `autopar.planning.ilp`.
 _MIP_BACKEND = "cpsat"     # the ILP used by "auto" (see BENCHMARK in autopar.planning.ilp)
@@ -296,9 +296,7 @@ def solve(cg: CostGraph, *, time_limit: float | None = None, backend: str = "aut
     if hint is not None and len(hint) != len(cg.nodes):
         raise InputError(f"hint has {len(hint)} entries for {len(cg.nodes)} nodes")
     full = from_costgraph(cg, fixed)
-    # with a cache, memory counts in dominance even without a budget: every solve of this graph then
-    # keeps the same strategies, so a relaxation one solve stored maps into the next (`_Memo`)
-    compacted = compact(full, use_memory=full.budget is not None or cache is not None)
+    compacted = compact(full)
     if compacted is None:
         _raise_infeasible(full, math.inf)
     p, keep = compacted
@@ -316,17 +314,6 @@ def solve(cg: CostGraph, *, time_limit: float | None = None, backend: str = "aut
     t, mem = evaluate(cg, choice)
     bound = min(bound, t)
     return Solution(choice, t, mem, bound, status, used, _time.monotonic() - start, stats)
-
-
-def carry_time_optimum(src: dict, dst: dict) -> None:
-    """Seed the solver cache `dst` of a graph that is `src`'s graph but for its node memory (the same
-    nodes, strategies, node times, edges, layers and memory offset: activations weighed otherwise,
-    `autopar.pipeline.search.Profiler`) with the budget-free time optimum `src` holds: it reads no
-    memory. Recalled as any cached relaxation (`_Memo`): used only where its strategies are all kept."""
-    for level, inner in ((src, dst), (src.get("quotient_solves", {}), dst.setdefault("quotient_solves", {}))):
-        for key, found in level.items():
-            if isinstance(key, tuple) and key[0] == "relaxations" and "time" in found:
-                inner.setdefault(key, {}).setdefault("time", found["time"])
 
 
 def _fixed_key(fixed: dict[int, list[int]] | None) -> tuple:
