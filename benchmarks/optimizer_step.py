@@ -31,15 +31,11 @@ import torch.distributed as dist
 
 from autopar import autoparallelize
 from autopar._testing.gpt import GPT, GPTConfig
+from autopar.calibration.timing import sync
 from autopar.mesh import Mesh
 
 STRATEGIES = ("dp", "zero3", "tp", "auto", "pp2")   # pp2: 2 pipeline stages, each rank steps its stage
 LR = 1e-4   # small: the weights drift little over hundreds of timed steps
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def variants(pmodel, slow: bool) -> dict[str, torch.optim.Optimizer]:
@@ -71,10 +67,10 @@ def time_steps(opts: dict, rounds: int, steps: int, device: torch.device) -> dic
         random.Random(r).shuffle(order)   # the same order on every rank; no variant always follows the same one
         for name in order:
             for _ in range(steps):
-                _sync(device)
+                sync(device)
                 t0 = time.perf_counter()
                 opts[name].step()
-                _sync(device)
+                sync(device)
                 times[name][r].append(time.perf_counter() - t0)
     medians = torch.tensor([[statistics.median(times[n][r]) for r in range(rounds)] for n in names],
                            dtype=torch.float64)
