@@ -86,6 +86,12 @@ class HardwareSpec:
     graph run compiled by Inductor and priced as compiled (on a CPU Inductor's C++ kernels for some ops,
     gelu's backward, transposed copies, run slower than ATen's, which bytes and launches do not show); it
     multiplies a compiled program's ops (`step_scale`); 0 (unmeasured) takes `in_step_scale`.
+    `runtime_overhead` is what a training step costs beyond its priced ops, collectives and optimizer
+    updates: the runtime's own per-step work around each rank's program (its inputs cut or gathered,
+    gradients handed to `p.grad`, the loss returned) and, on a CPU, the collectives' threads taking
+    cores from the ops. `autopar calibrate` measures it as the reference model's whole training step,
+    run by the runtime on the job's ranks, less that step's priced seconds; every plan's step pays it
+    once (`planning.assemble.totals`, the pipeline schedules' step). Presets 0.
     """
 
     name: str
@@ -108,6 +114,7 @@ class HardwareSpec:
     compiled_mem_bandwidth: float = 0.0  # bytes/s of a fused kernel's one pass (0: unmeasured)
     in_step_scale: float = 1.0        # a step's op seconds / the isolated benchmarks' (calibrated; presets 1)
     compiled_in_step_scale: float = 0.0   # the same for the compiled program (0: unmeasured, in_step_scale)
+    runtime_overhead: float = 0.0     # seconds a step pays once beyond its priced work (calibrated; presets 0)
     compiled: bool = False            # price the compiled program (True) or the eager FX one
 
     def __post_init__(self) -> None:
@@ -119,7 +126,7 @@ class HardwareSpec:
                      "param_step_overhead", "transcendental_rate", "attention_efficiency",
                      "attention_backward_efficiency", "sync_latency", "fused_step_overhead",
                      "compiled_op_overhead", "compiled_mem_bandwidth", "in_step_scale",
-                     "compiled_in_step_scale"):
+                     "compiled_in_step_scale", "runtime_overhead"):
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "collectives", {k: dict(v) for k, v in self.collectives.items()})
 
@@ -222,12 +229,12 @@ _FIELDS = ("name", "peak_flops", "mem_bandwidth", "mem_capacity", "intra_node", 
            "devices_per_node", "compute_efficiency", "collectives", "op_overhead", "param_step_overhead",
            "transcendental_rate", "attention_efficiency", "attention_backward_efficiency", "sync_latency",
            "fused_step_overhead", "compiled_op_overhead", "compiled_mem_bandwidth", "compiled", "in_step_scale",
-           "compiled_in_step_scale")
+           "compiled_in_step_scale", "runtime_overhead")
 _REQUIRED = _FIELDS[:7]
 _OPTIONAL = {"op_overhead": 0.0, "param_step_overhead": 0.0, "transcendental_rate": 0.0,   # default when absent
              "attention_efficiency": 1.0, "attention_backward_efficiency": 1.0, "sync_latency": 0.0,
              "fused_step_overhead": 0.0, "compiled_op_overhead": 0.0, "compiled_mem_bandwidth": 0.0,
-             "compiled": False, "in_step_scale": 1.0, "compiled_in_step_scale": 0.0}
+             "compiled": False, "in_step_scale": 1.0, "compiled_in_step_scale": 0.0, "runtime_overhead": 0.0}
 _FIX = "fix the field or regenerate the profile with HardwareSpec.save()"
 
 
@@ -279,6 +286,7 @@ def _validate(spec: HardwareSpec) -> None:
     _check_positive("attention_backward_efficiency", spec.attention_backward_efficiency)
     _check_positive("in_step_scale", spec.in_step_scale)
     _check_non_negative("compiled_in_step_scale", spec.compiled_in_step_scale)
+    _check_non_negative("runtime_overhead", spec.runtime_overhead)
     if not isinstance(spec.collectives, dict) or not set(spec.collectives) <= set(LINK_KINDS):
         raise HardwareError(f"field 'collectives' must map {LINK_KINDS} to collective fits; {_FIX}")
     for link_kind, fits in spec.collectives.items():

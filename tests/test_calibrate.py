@@ -151,7 +151,8 @@ def test_corrupt_or_incomplete_profile_is_a_clear_error(tmp_path, text, message)
     assert not (tmp_path / "pwned").exists()
 
 
-@pytest.mark.parametrize("field", ["op_overhead", "param_step_overhead", "sync_latency", "in_step_scale"])
+@pytest.mark.parametrize("field", ["op_overhead", "param_step_overhead", "sync_latency", "in_step_scale",
+                                   "runtime_overhead"])
 def test_bad_overheads_are_clear_errors(field):
     data = H100.to_json()
     assert "op_overhead" not in data   # unset fields stay out of the JSON
@@ -173,19 +174,24 @@ def _calibrate_worker(rank, world, out):
     assert cpu_memory._state is not None   # measured under the allocator settings programs run with
     if rank == 0:
         result.spec.save(out)
-    reference = result.reference
-    return result.spec.to_json(), (reference.measured, reference.priced, reference.ops)
+    reference, runtime = result.reference, result.runtime
+    return result.spec.to_json(), (reference.measured, reference.priced, reference.ops), (runtime.measured,
+                                                                                          runtime.priced)
 
 
 def test_real_calibration_two_ranks(tmp_path):
     out = tmp_path / "profile.json"
     results = run_distributed(_calibrate_worker, 2, str(out), timeout=240)   # + compiling calibration programs
-    specs = [spec for spec, _ in results]
+    specs = [spec for spec, _, _ in results]
     assert specs[0] == specs[1]   # every rank fits the same profile
     (measured, priced, ops), _ = results[0][1], results[1][1]
     assert results[0][1] == results[1][1]   # the slowest rank's reference step, on every rank
     assert ops > 100 and measured > 0 and priced > 0
     assert specs[0]["in_step_scale"] == pytest.approx(measured / priced)   # measured, not the preset's 1
+    # the reference model trained by the runtime: its whole step (the slowest rank's) less its plan's price
+    (step_measured, step_priced), _ = results[0][2], results[1][2]
+    assert results[0][2] == results[1][2] and step_measured > 0 and step_priced > 0
+    assert specs[0].get("runtime_overhead", 0.0) == pytest.approx(max(0.0, step_measured - step_priced))
     spec = get_hardware(out)
     assert set(spec.collectives["intra"]) == set(KINDS)
     assert all(link.latency >= 0 and link.bandwidth > 0 for link in spec.collectives["intra"].values())
@@ -200,3 +206,29 @@ def test_real_calibration_two_ranks(tmp_path):
     assert 0 < spec.compiled_op_overhead < spec.op_overhead, (spec.compiled_op_overhead, spec.op_overhead)
     assert spec.compiled_mem_bandwidth > 0
     assert spec.compiled_in_step_scale > 0   # the reference step run compiled, measured over priced
+
+
+def test_runtime_overhead_is_paid_once_per_step_by_every_plan():
+    """`runtime_overhead` (calibration/in_step.py): every plan's step pays it once, SPMD or pipelined, the
+    baselines too; it is a constant, so no choice changes; the summary names it."""
+    import autopar
+    from autopar._testing.gpt import GPT, GPTConfig
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    tokens = torch.randint(0, 64, (4, 17))
+    inputs = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    base = build_profile(CPU, [], matmul_flops=40e9, mem_bandwidth=2e10, op_overhead=8e-6, devices_per_node=None)
+    paying = dataclasses.replace(base, runtime_overhead=0.01)
+    for kwargs in ({}, {"num_stages": 2, "num_microbatches": 2}):
+        plain = autopar.plan(model, inputs, mesh=Mesh((2,), hardware=base), **kwargs)
+        paid = autopar.plan(model, inputs, mesh=Mesh((2,), hardware=paying), **kwargs)
+        assert paid.predicted_step_time == pytest.approx(plain.predicted_step_time + 0.01, rel=1e-9)
+        assert bool(paid.stages) == bool(kwargs)   # SPMD, then two stages
+        assert paid.nodes == plain.nodes and paid.stages == plain.stages   # the same plan, priced 10 ms more
+        assert paid.predicted_compute_time == pytest.approx(plain.predicted_compute_time)
+        for name, row in plain.baselines.items():
+            if row["feasible"]:
+                assert paid.baselines[name]["time"] == pytest.approx(row["time"] + 0.01, rel=1e-9), name
+        assert "runtime 10.0 ms" in paid.summary(rich=False) and "runtime" not in plain.summary(rich=False)

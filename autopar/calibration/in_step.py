@@ -13,9 +13,19 @@ profile just fitted (exactly as the planner prices a one-device plan), and run a
 rank's graph, back to back, on every rank at once. The slowest rank's seconds over the priced
 seconds is `HardwareSpec.in_step_scale`; `costmodel.compute.op_time` multiplies every op by it. The
 optimizer's per-parameter work is not part of it (`param_step_overhead` is timed in its own context).
+
+Then the same reference model trains as a user's loop trains it: data parallel over the job's ranks
+(`autopar.runtime.module.parallelize_spmd`, `pmodel.optimizer`'s fused AdamW), zero_grad, train_step,
+the optimizer's step and the loss read back. Its measured step (slowest rank) less the step its plan
+prices with the profile just fitted (`in_step_scale` included) is `HardwareSpec.runtime_overhead`:
+what the runtime adds around each rank's program once per step (the inputs cut, gradients handed to
+`p.grad`, the loss returned), and on a CPU what the collectives' threads take from the ops. On the
+2-core machine it is ~10-20 ms per step, the same to within a few ms for GPTs whose steps run 30 to
+150 ms: it is a per-step cost, not a per-op one.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -31,6 +41,7 @@ from autopar.graph import NAME, ROLE
 from autopar.mesh import Mesh
 from autopar.planning.problem import ProblemBuilder
 from autopar.runtime.compile import CompiledProgram
+from autopar.runtime.module import parallelize_spmd
 
 # The reference: two layers, sized apart from the examples (GPT 4 x 128) and benchmarks (4 x 256).
 CPU_REFERENCE = dict(config=GPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=4, n_embd=192,
@@ -52,21 +63,34 @@ class InStep:
         return self.measured / self.priced
 
 
+def _reference(device: torch.device):
+    """(config, rows per rank, dtype) of the reference step on `device`."""
+    reference = CUDA_REFERENCE if device.type == "cuda" else CPU_REFERENCE
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32   # the dtype the benchmarks timed
+    return reference["config"], reference["batch"], dtype
+
+
+def _tokens(config: GPTConfig, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (rows, config.block_size + 1), generator=generator).to(device)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def _model(config: GPTConfig, device: torch.device, dtype: torch.dtype) -> GPT:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return GPT(config).to(device=device, dtype=dtype)
+
+
 def measure_in_step(spec: HardwareSpec, device: torch.device, iters: int, compiled: bool = False) -> InStep:
     """Run the reference step on every rank at once (call on every rank); see the module docstring.
     `spec`: the fitted profile (priced here with in_step_scale 1: the benchmarks' rates alone). `compiled`:
     the graph run as Inductor compiles it (`runtime.compile.CompiledProgram`) and priced as compiled
     (-> `compiled_in_step_scale`)."""
     spec = replace(spec, in_step_scale=1.0, compiled_in_step_scale=0.0).for_program(compiled)
-    reference = CUDA_REFERENCE if device.type == "cuda" else CPU_REFERENCE
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32   # the dtype the benchmarks timed
-    config, batch = reference["config"], reference["batch"]
-    generator = torch.Generator().manual_seed(0)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = GPT(config).to(device=device, dtype=dtype)
-    tokens = torch.randint(0, config.vocab_size, (batch, config.block_size + 1), generator=generator).to(device)
-    inputs = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    config, batch, dtype = _reference(device)
+    model = _model(config, device, dtype)
+    inputs = _tokens(config, batch, device)
     captured = capture(model, inputs, cache=False)
     canonicalize(captured.gm)
     problem = ProblemBuilder(captured, Mesh((1,), ("dp",), spec, None)).build()
@@ -84,3 +108,48 @@ def measure_in_step(spec: HardwareSpec, device: torch.device, iters: int, compil
                                 device=device)
     dist.all_reduce(measured, op=dist.ReduceOp.MAX)   # one profile for all: the slowest rank's
     return InStep(float(measured.item()), priced, len(ops))
+
+
+@dataclass(frozen=True)
+class RuntimeStep:
+    """The reference model's whole training step under the runtime (slowest rank) and its plan's price."""
+
+    measured: float
+    priced: float
+
+    @property
+    def overhead(self) -> float:
+        return max(0.0, self.measured - self.priced)
+
+
+def measure_runtime_step(spec: HardwareSpec, device: torch.device, iters: int, steps: int = 8) -> RuntimeStep:
+    """Train the reference model data parallel over the job's ranks and time whole steps (call on every
+    rank; see the module docstring). `spec`: the fitted profile, `in_step_scale` included and
+    `runtime_overhead` 0 (what is measured here). `iters` runs of `steps` steps, the median run."""
+    world = dist.get_world_size()
+    spec = replace(spec, runtime_overhead=0.0)
+    config, batch, dtype = _reference(device)
+    inputs = _tokens(config, batch * world, device)   # every rank's program sees `batch` rows, as measure_in_step's
+    with torch.random.fork_rng(devices=[]):
+        pmodel = parallelize_spmd(_model(config, device, dtype), inputs, mesh=Mesh((world,), hardware=spec),
+                                  plan=None, strategy="dp", optimizer="fused_adamw", baselines=False)
+        optimizer = pmodel.optimizer(torch.optim.AdamW, lr=1e-4)
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            loss = pmodel.train_step(*inputs)
+            optimizer.step()
+            loss.item()   # the loop reads the loss back, as a training loop's logging does
+
+        for _ in range(3):
+            step()
+        runs = []
+        for _ in range(max(iters, 3)):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(steps):   # the same count on every rank: each step's collectives pair up
+                step()
+            runs.append((time.perf_counter() - start) / steps)
+    measured = torch.tensor([float(np.median(runs))], dtype=torch.float64)
+    dist.all_reduce(measured, op=dist.ReduceOp.MAX)   # one profile for all: the slowest rank's
+    return RuntimeStep(float(measured.item()), pmodel.plan.predicted_step_time)

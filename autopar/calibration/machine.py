@@ -32,8 +32,8 @@ from autopar.errors import HardwareError
 
 QUICK_SIZES = size_range("1K", "4M")   # the largest gradient bucket of a small model; alpha-beta extrapolates
 QUICK_ITERS = 3
-FORMAT = 5   # 3: the compiled program's figures (calibration/compiled.py); 4: in_step_scale (calibration/in_step.py);
-# 5: compiled_in_step_scale (the reference step compiled).
+FORMAT = 6   # 3: the compiled program's figures (calibration/compiled.py); 4: in_step_scale (calibration/in_step.py);
+# 5: compiled_in_step_scale (the reference step compiled); 6: runtime_overhead (the reference model's runtime step).
 # Bump when what a cached profile holds changes: older files are then measured again
 
 

@@ -28,7 +28,9 @@ do them) is timed on K tiny DTensor parameters (what `ParallelModule` hands torc
 `fused_step_overhead`.
 Last, a reference step (`autopar.calibration.in_step`): a small GPT's joint graph, priced with the rates
 above and run as a step runs it on every rank at once; measured over priced is `in_step_scale`, which
-multiplies every op's time (operands come cold from the ops before, the ranks share caches and memory).
+multiplies every op's time (operands come cold from the ops before, the ranks share caches and memory);
+then that model trained data parallel by the runtime: its whole step less its plan's price is
+`runtime_overhead`, which every plan's step pays once.
 The collectives above run back to back, the ranks in lockstep; in a step the ranks reach a blocking
 collective from compute. `sync_latency` is the difference: ~10 ms of matmuls then a 4-byte
 all_reduce, against the same matmuls alone and the all_reduce back to back (CPU/gloo: ~1 ms, the
@@ -64,7 +66,7 @@ import torch.nn.functional as F
 from autopar import _torch_compat as compat
 from autopar.calibration.compiled import measure_compiled
 from autopar.calibration.fit import Sample, fit_line, fit_links
-from autopar.calibration.in_step import InStep, measure_in_step
+from autopar.calibration.in_step import InStep, RuntimeStep, measure_in_step, measure_runtime_step
 from autopar.calibration.timing import mean_time, sustained_time, sync
 from autopar.costmodel import compute as compute_model
 from autopar.costmodel.hardware import COLLECTIVE_KINDS, HardwareSpec, get_hardware
@@ -97,6 +99,7 @@ class Calibration:
     compiled_mem_bandwidth: float = 0.0   # bytes/s of a compiled fused chain's one pass
     reference: InStep | None = None    # the reference step (-> spec.in_step_scale)
     compiled_reference: InStep | None = None   # the same compiled by Inductor (-> spec.compiled_in_step_scale)
+    runtime: RuntimeStep | None = None  # the reference model's whole step under the runtime (-> spec.runtime_overhead)
 
     def summary(self) -> str:
         """A short table of the fitted links and compute figures."""
@@ -122,6 +125,10 @@ class Calibration:
             lines.append(f"compiled in-step scale x{self.compiled_reference.scale:.2f}: compiled by Inductor it ran "
                          f"{format_seconds(self.compiled_reference.measured)}, priced as compiled "
                          f"{format_seconds(self.compiled_reference.priced)} (a compiled program's ops)")
+        if self.runtime is not None:
+            lines.append(f"runtime overhead {format_seconds(self.runtime.overhead)} per step: the reference model "
+                         f"trained data parallel by the runtime ran {format_seconds(self.runtime.measured)} per step where "
+                         f"its plan prices {format_seconds(self.runtime.priced)} (every plan's step pays it once)")
         for link_kind, fits in self.spec.collectives.items():
             for kind, link in fits.items():
                 lines.append(f"  {link_kind:<6}{kind:<16} alpha {format_seconds(link.latency):>9}  "
@@ -465,11 +472,14 @@ def calibrate(mesh_shape: Sequence[int] | None = None, *, sizes: Sequence[int] =
     compiled_reference = measure_in_step(spec, device, iters, compiled=True) if compiled else None
     spec = replace(spec, in_step_scale=reference.scale,
                    compiled_in_step_scale=compiled_reference.scale if compiled else spec.compiled_in_step_scale)
+    say("the reference model trained data parallel by the runtime: its whole step against its plan's price")
+    runtime = measure_runtime_step(spec, device, iters)
+    spec = replace(spec, runtime_overhead=runtime.overhead)
     return Calibration(spec, tuple(samples), figures["matmul"], figures["attention"], figures["bandwidth"],
                        figures["overhead"], figures["param_step"], figures["transcendental"],
                        figures["attention_backward"], figures["sync"], figures["fused_step"],
                        figures.get("compiled_overhead", 0.0), figures.get("compiled_bandwidth", 0.0), reference,
-                       compiled_reference)
+                       compiled_reference, runtime)
 
 
 def _device() -> torch.device:

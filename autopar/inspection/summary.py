@@ -346,7 +346,8 @@ def header_lines(plan) -> list[str]:
 
 
 def totals_lines(plan) -> list[str]:
-    bubble = max(0.0, plan.predicted_step_time - plan.predicted_compute_time - plan.predicted_comm_time) \
+    overhead = plan.mesh.hardware.runtime_overhead   # measured per step on this machine (calibration)
+    bubble = max(0.0, plan.predicted_step_time - plan.predicted_compute_time - plan.predicted_comm_time - overhead) \
         if plan.stages else 0.0
     mem = plan.memory_breakdown
     budget = "no budget" if plan.memory_budget is None else \
@@ -356,7 +357,7 @@ def totals_lines(plan) -> list[str]:
     lines = [
         f"step time {format_seconds(plan.predicted_step_time)} = compute {format_seconds(plan.predicted_compute_time)}"
         f" + communication {format_seconds(plan.predicted_comm_time)} + bubble {format_seconds(bubble)}"
-        f"; {program_priced(plan)} program",
+        + (f" + runtime {format_seconds(overhead)}" if overhead else "") + f"; {program_priced(plan)} program",
         f"memory    {format_bytes(plan.memory_per_device)} per device = "
         + " + ".join(f"{k} {format_bytes(mem.get(k, 0.0))}" for k in ("params", "grads", "optimizer", "activations"))
         + f"; {budget}",

@@ -145,7 +145,8 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
             if pp * v > len(layers):
                 break
             try:
-                split = partition(layers, pp, m, schedule, p2p_time=p2p, memory_budget=budget, v=v)
+                split = partition(layers, pp, m, schedule, p2p_time=p2p, memory_budget=budget, v=v,
+                                  overhead=full.hardware.runtime_overhead)
             except InfeasiblePlanError as e:
                 least = min(least, e.min_memory_per_device or float("inf"))
                 continue

@@ -187,11 +187,12 @@ class _Splitter:
     def __init__(self, mesh: Mesh, m: int, schedule: str, budget: float | None, v: int):
         self.p, self.m, self.schedule, self.budget, self.v = mesh.shape[0], m, schedule, budget, v
         self.p2p = lambda nbytes: mesh.p2p_time(nbytes, PP)  # noqa: E731
+        self.overhead = mesh.hardware.runtime_overhead
         self.counts = [chunk_in_flight(schedule, self.p, m, k, v) for k in range(self.p * v)]
 
     def __call__(self, layers):
         return partition(layers, self.p, self.m, self.schedule, p2p_time=self.p2p, memory_budget=self.budget,
-                         v=self.v)
+                         v=self.v, overhead=self.overhead)
 
 
 ROW_RETRIES = 8   # memory rows tried before the pipeline is called infeasible
@@ -326,7 +327,8 @@ def widen(one_stage: Plan, mesh: Mesh, layers, split, m: int, schedule: str, bud
     state = {k: v * share for k, v in one_stage.memory_breakdown.items() if k != "activations"}
     breakdown = {**state, "activations": max(0.0, float(split.stage_memory[fullest]) - sum(state.values()))}
     busy = m * float(max(split.stage_times))  # the slowest stage's work; the rest of the step is bubble
-    compute_share = one_stage.predicted_compute_time / max(one_stage.predicted_step_time, 1e-30)
+    compute_share = one_stage.predicted_compute_time / max(
+        one_stage.predicted_compute_time + one_stage.predicted_comm_time, 1e-30)
     reason = one_stage.infeasible_reason or ("" if budget is None or max(split.stage_memory) <= budget else
                                         "the fullest stage exceeds the memory budget")
     return dataclasses.replace(

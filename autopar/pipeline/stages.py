@@ -48,6 +48,7 @@ split is exact for the per-micro-batch objective; the per-step term is not part 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -218,9 +219,10 @@ def _least_sum(T: np.ndarray, masks: list[np.ndarray], bound: float) -> tuple[fl
 
 
 def partition(layers: Sequence[LayerCost], p: int, m: int, schedule: str, *, p2p_time: Callable[[float], float],
-              memory_budget: float | None = None, v: int = 1) -> StageSplit:
+              memory_budget: float | None = None, v: int = 1, overhead: float = 0.0) -> StageSplit:
     """Exact contiguous split of `layers` into p non-empty stages (p*v chunks for interleaved_1f1b)
-    minimising the schedule's step time with every stage's memory within `memory_budget`.
+    minimising the schedule's step time with every stage's memory within `memory_budget`; the step
+    time includes `overhead`, seconds every rank's step pays once (`HardwareSpec.runtime_overhead`).
     Raises InfeasiblePlanError (with min_memory_per_device) when no split fits."""
     vv = v if schedule == "interleaved_1f1b" else 1
     _check_schedule(schedule, p, m, vv)
@@ -248,7 +250,8 @@ def partition(layers: Sequence[LayerCost], p: int, m: int, schedule: str, *, p2p
         found = _least_sum(T, masks, bound)
         if found is not None and found[0] / vv + weight * bound < best_val:
             best_val, best_bounds = found[0] / vv + weight * bound, found[1]
-    return _split(T, mem, counts, best_bounds, m, schedule, vv, _prefix(layers, "per_step"), _shared(layers, 2))
+    split = _split(T, mem, counts, best_bounds, m, schedule, vv, _prefix(layers, "per_step"), _shared(layers, 2))
+    return dataclasses.replace(split, step_time=split.step_time + overhead) if overhead else split
 
 
 def _first_feasible(T: np.ndarray, masks: list[np.ndarray], values: np.ndarray) -> int:

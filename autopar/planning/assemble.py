@@ -118,7 +118,9 @@ def totals(prob: CostProblem, choice: np.ndarray) -> dict:
     local = float(sum(prob.local_comm[i][k] for i, k in enumerate(choice)))
     edges = float(sum(e.time[choice[e.src], choice[e.dst]] for e in prob.cg.edges))
     memory = {c: float(sum(prob.memory[i][c][k] for i, k in enumerate(choice))) for c in CATEGORIES}
-    return {"compute": compute, "comm": local + edges, "step": compute + local + edges, "memory": memory}
+    overhead = prob.mesh.hardware.runtime_overhead   # once per step, whatever the choices (HardwareSpec)
+    return {"compute": compute, "comm": local + edges, "overhead": overhead, "step": compute + local + edges + overhead,
+            "memory": memory}
 
 
 EXPLAINED_OPS = ("mm", "bmm", "addmm", "embedding", "_scaled_dot_product", "native_layer_norm", "_log_softmax")
