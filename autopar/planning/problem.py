@@ -32,6 +32,7 @@ from autopar.graph import (
     NAME,
     PHASE,
     ROLE,
+    STAMPED_FROM,
     is_getitem,
     layer_of,
     nbytes_of,
@@ -86,6 +87,7 @@ class CostProblem:
     signatures: dict = field(default_factory=dict)    # op node -> signature (StrategyEnumerator.signature)
     solver_cache: dict = field(default_factory=dict)  # reused across the solves of one plan (planner)
     restrictions: dict = field(default_factory=dict)  # recipe names -> allowed strategies (spmd.restricted_choices)
+    derived: dict = field(default_factory=dict)       # pure functions of the problem, kept (layer_profile.unit_names)
 
 
 def model_flops(gm: fx.GraphModule) -> float:
@@ -169,7 +171,7 @@ def saved_values(gm: fx.GraphModule, recomputed: frozenset = frozenset()) -> set
 
 class ProblemBuilder:
     def __init__(self, captured, mesh, optimizer: str = "adamw", enumerator: StrategyEnumerator | None = None,
-                 prune: bool = True):
+                 prune: bool = True, reuse_stamped: bool = True):
         self.captured = captured
         self.gm = captured.gm
         self.mesh = mesh
@@ -187,6 +189,9 @@ class ProblemBuilder:
         self._memo: dict[tuple, tuple[np.ndarray, tuple]] = {}
         self._placeholder_strategies: dict[tuple, list[NodeStrategy]] = {}
         self.prune = prune  # False keeps every rule strategy (tests compare the optima)
+        # a stamped layer's op takes its template's strategies and signature (`stamped_templates`); False
+        # enumerates every node afresh (tests compare the two)
+        self.reuse_stamped = reuse_stamped
 
     def build(self, allowed=None) -> CostProblem:
         """`allowed(node, strategies) -> strategies` may restrict choices (forced recipes)."""
@@ -202,10 +207,12 @@ class ProblemBuilder:
         the loss's all-reduce not yet added). What `autopar.pipeline.search.Profiler.seconds_bound` reads,
         at about half the cost of `build`."""
         nodes, strats = [], []
+        templates = stamped_templates(self.gm.graph) if self.reuse_stamped else {}
         for node in self.gm.graph.nodes:
             if node.op == "output" or is_getitem(node) or val_of(node) is None:
                 continue
-            cands = self._strategies(node)
+            template = templates.get(node)
+            cands = self._strategies(node) if template is None else self.enumerate.like(node, template)
             if allowed is not None:
                 cands = allowed(node, cands)
             if not cands:
@@ -390,6 +397,58 @@ class ProblemBuilder:
             src, dst, mat = e.src, e.dst, self.edge_matrix(prob, e)
             edges.append(CostEdge(src, dst, mat))
         return CostGraph(nodes, edges, layer_groups=layer_groups(prob))
+
+
+def stamped_templates(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """Stamped op node -> the traced node it was copied from (`autopar.capture.stamp`, STAMPED_FROM),
+    where the two still make the same call: the same target, argument and keyword structure with the same
+    scalars, and inputs and outputs of the same shapes and dtypes. Stamping makes them so by construction;
+    this check keeps it exact after later rewrites (canonicalize), and a node failing it is enumerated
+    as any other. Same call, same strategies and costs (`StrategyEnumerator.like`)."""
+    by_name: dict[str, fx.Node] | None = None
+    out: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        src = node.meta.get(STAMPED_FROM)
+        if src is None or node.op != "call_function":
+            continue
+        if by_name is None:
+            by_name = {n.name: n for n in graph.nodes}
+        t = by_name.get(src)
+        if t is not None and t is not node and _same_call(node, t):
+            out[node] = t
+    return out
+
+
+def _same_call(a: fx.Node, b: fx.Node) -> bool:
+    """Rules see a call as its target, its arguments with each input node replaced by (position among
+    the node's distinct inputs, shape, dtype), and its outputs' shapes and dtypes (`rules.OpCall`)."""
+    if a.op != b.op or a.target is not b.target or not _same_tensor(val_of(a), val_of(b)):
+        return False
+    ia = {n: i for i, n in enumerate(a.all_input_nodes)}
+    ib = {n: i for i, n in enumerate(b.all_input_nodes)}
+    return len(ia) == len(ib) and _same_args(a.args, b.args, ia, ib) and _same_args(a.kwargs, b.kwargs, ia, ib)
+
+
+def _same_args(x, y, ix: dict, iy: dict) -> bool:
+    if isinstance(x, fx.Node) or isinstance(y, fx.Node):
+        return (isinstance(x, fx.Node) and isinstance(y, fx.Node) and ix[x] == iy[y]
+                and _same_tensor(val_of(x), val_of(y)))
+    if isinstance(x, (tuple, list)):
+        return type(x) is type(y) and len(x) == len(y) and all(_same_args(p, q, ix, iy) for p, q in zip(x, y))
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(_same_args(x[k], y[k], ix, iy) for k in x)
+    return type(x) is type(y) and x == y
+
+
+def _same_tensor(u, v) -> bool:
+    """The same value description: tensors of one shape and dtype, tuples of such, or equal scalars."""
+    if u is v:
+        return True
+    if isinstance(u, torch.Tensor):
+        return isinstance(v, torch.Tensor) and u.shape == v.shape and u.dtype == v.dtype
+    if isinstance(u, (tuple, list)):
+        return isinstance(v, (tuple, list)) and len(u) == len(v) and all(_same_tensor(p, q) for p, q in zip(u, v))
+    return type(u) is type(v) and u == v
 
 
 def _same_across_layers(nodes: list[fx.Node], full: list[list], pruned: list[list]) -> list[list]:
