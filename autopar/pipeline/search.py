@@ -41,7 +41,7 @@ from autopar.pipeline import planning as pipelined
 from autopar.pipeline.candidates import Candidate, branch_and_bound, price
 from autopar.pipeline.layer_profile import layer_costs, unit_names
 from autopar.pipeline.stages import INTERLEAVE, SCHEDULES, LayerCost, mesh_factorizations
-from autopar.planning import spmd
+from autopar.planning import collector, spmd
 from autopar.planning.costgraph import CostGraph, CostNode
 from autopar.planning.forest_bound import forest_lower_bound, spanning_forest
 from autopar.planning.problem import ProblemBuilder
@@ -136,7 +136,8 @@ class Profiler:
             inputs, kwargs = split_inputs(self.inputs, m, batch_size(self.inputs)), {}
             if self.kwargs:
                 kwargs = split_inputs((self.kwargs,), m, batch_size(self.inputs))[0]
-            with compat.lazy_recompile():   # the graph is costed, not run: no code generation per rewrite
+            # the graph is costed, not run: no code generation per rewrite; tracing leaves cyclic garbage
+            with compat.lazy_recompile(), collector.running():
                 cap = capture(self.model, inputs, example_kwargs=kwargs or None, loss_fn=self.loss_fn,
                               stamp_layers=True, mixed_precision=self.policy)
                 canonicalize(cap.gm)
