@@ -12,6 +12,7 @@ from autopar._testing import models
 from autopar.capture import precision
 from autopar.capture.canonicalize import canonicalize
 from autopar.capture.trace import capture
+from autopar.costmodel.memory import optimizer_state_bytes_per_param
 from autopar.graph import STAMPED_FROM
 from autopar.mesh import Mesh
 from autopar.pipeline.layer_profile import layer_costs, unit_names
@@ -80,6 +81,16 @@ def test_stamped_problem_equals_enumerating_every_node(kind, bf16, shape):
     full = ProblemBuilder(cap, mesh, reuse_stamped=False).build()
     assert fast_builder.enumerate.cache_hits >= len(templates)
     _same_problem(fast, full)
+    opt = optimizer_state_bytes_per_param("adamw", torch.float32)
+    for i, node in enumerate(full.nodes):   # placeholders priced once per kind: each equals its own pricing
+        if node.op == "placeholder":
+            mem = {c: np.zeros(len(full.strategies[i])) for c in full.memory[i]}
+            comm = np.zeros(len(full.strategies[i]))
+            trainable = node.meta["autopar_role"] == "param" and node.meta["autopar_name"] in cap.grad_param_names
+            times = fast_builder._price_placeholder(node, full.strategies[i], mem, comm, opt, trainable)
+            assert np.array_equal(times, full.compute[i]) and np.array_equal(comm, full.local_comm[i])
+            # (activations: an input backward reads is counted after, as for any node)
+            assert all(np.array_equal(mem[c], full.memory[i][c]) for c in mem if c != "activations")
     # a memory row on the 1-D mesh only: on the 2-D one it is a MIP of many seconds
     for budget in (None,) if len(shape) > 1 else (None, min_memory(full.cg) * 1.1):
         fast.cg.memory_budget = full.cg.memory_budget = budget
@@ -98,8 +109,10 @@ def test_profiler_layers_equal_the_full_path():
     case = _case("llama")
     hw = autopar.Mesh((8,), hardware="h100").hardware
     prof = Profiler(case.model, case.example_inputs, hw, 8, mixed_precision="bf16")
+    prof.problem(4, 2, 4)   # another micro-batch size first: its priced reshard matrices are shared
     cap, _ = prof.captured(2)
     full = ProblemBuilder(cap, prof.sub_mesh(2, 4), reuse_stamped=False).build()
+    _same_problem(prof.problem(2, 2, 4), full)
     for budget in (None,):
         got = prof.layers(2, 2, 4, budget)
         full.cg.memory_budget = budget

@@ -128,6 +128,7 @@ class Profiler:
         self.floors: dict[int, tuple[float, float, int]] = {}   # (per micro-batch, per step, units)
         self.forests: dict = {}                             # the spanning forest of the last CostProblem bounded
         self.reshards: dict[tuple, ReshardCost] = {}        # layout pricing per sub-mesh, shared by every build
+        self.spec_matrices: dict[tuple, dict] = {}          # ProblemBuilder's spec-pair matrices per sub-mesh, shared
         self.weighted: dict[tuple, tuple] = {}              # (CostProblem key, weight) -> (CostProblem, CostGraph, cache)
         self.solutions: dict[tuple, object] = {}            # layers()'s key -> the solver's Solution (plans build from it)
 
@@ -171,6 +172,8 @@ class Profiler:
         builder = ProblemBuilder(cap, mesh, self.optimizer)
         key = (tuple(mesh.shape), mesh.axis_names)
         builder.reshard = self.reshards.setdefault(key, builder.reshard)
+        # and so are its priced (specs, specs, bytes) matrices: a weight's edges move the same bytes at every m
+        builder.share_matrices(self.spec_matrices.setdefault(key, {}))
         return builder
 
     @staticmethod

@@ -193,6 +193,11 @@ class ProblemBuilder:
         # enumerates every node afresh (tests compare the two)
         self.reuse_stamped = reuse_stamped
 
+    def share_matrices(self, store: dict) -> None:
+        """Price reshard matrices into `store`, shared with other builders on the same mesh and hardware
+        (`_spec_matrix`'s key holds everything the price depends on but the mesh)."""
+        self._matrices = store
+
     def build(self, allowed=None) -> CostProblem:
         """`allowed(node, strategies) -> strategies` may restrict choices (forced recipes)."""
         prob = self.build_nodes(allowed)
@@ -287,6 +292,25 @@ class ProblemBuilder:
         return act
 
     def _placeholder_costs(self, node, strats, mem, comm, opt_bytes) -> np.ndarray:
+        """Seconds per strategy of a placeholder (its optimizer step); fills its memory and node-local
+        collectives. A pure function of (strategy list, role, trainable, bytes, elements): the same
+        parameter of L identical layers is priced once and copied."""
+        val = val_of(node)
+        trainable = node.meta[ROLE] == "param" and node.meta[NAME] in self.captured.grad_param_names
+        key = ("placeholder", id(strats), node.meta[ROLE], trainable, nbytes_of(val),
+               val.numel() if isinstance(val, torch.Tensor) else 0)
+        if key not in self._memo:
+            fresh = {c: np.zeros(len(strats)) for c in CATEGORIES}
+            fresh_comm = np.zeros(len(strats))
+            times = self._price_placeholder(node, strats, fresh, fresh_comm, opt_bytes, trainable)
+            self._memo[key] = ((times, fresh, fresh_comm), (strats,))
+        times, found, found_comm = self._memo[key][0]
+        for c, arr in found.items():
+            mem[c][:] = arr
+        comm[:] = found_comm
+        return times.copy()
+
+    def _price_placeholder(self, node, strats, mem, comm, opt_bytes, trainable: bool) -> np.ndarray:
         val = val_of(node)
         nbytes = nbytes_of(val)
         times = np.zeros(len(strats))
@@ -294,7 +318,6 @@ class ProblemBuilder:
             if node.meta[ROLE] == "buffer":
                 mem["params"][:] = [nbytes * local_fraction(s.outs[0], self.axis_sizes) for s in strats]
             return times
-        trainable = node.meta[NAME] in self.captured.grad_param_names
         for k, s in enumerate(strats):
             for cat, b in param_memory(s, nbytes, val.numel(), self.axis_sizes, opt_bytes, trainable).items():
                 mem[cat][k] = b
