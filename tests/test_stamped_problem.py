@@ -11,13 +11,14 @@ import autopar
 from autopar._testing import models
 from autopar.capture import precision
 from autopar.capture.canonicalize import canonicalize
+from autopar.capture.stamp import stamped_templates
 from autopar.capture.trace import capture
 from autopar.costmodel.memory import optimizer_state_bytes_per_param
 from autopar.graph import STAMPED_FROM
 from autopar.mesh import Mesh
 from autopar.pipeline.layer_profile import layer_costs, unit_names
 from autopar.pipeline.search import Profiler
-from autopar.planning.problem import ProblemBuilder, stamped_templates
+from autopar.planning.problem import ProblemBuilder
 from autopar.planning.solver import min_memory, solve
 
 LAYERS = 6
