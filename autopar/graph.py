@@ -6,6 +6,7 @@ writes it, is listed here once; `autopar/ir.py` checks the keys each stage promi
 """
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -69,6 +70,7 @@ def nbytes_of(val) -> float:
     return float(val.numel() * val.element_size()) if isinstance(val, torch.Tensor) else 0.0
 
 
+@functools.lru_cache(maxsize=1 << 16)   # a pure function of the string; planning asks it per node, many times
 def layer_of(path: str) -> tuple[str, int] | None:
     """("transformer.h", 3) for "transformer.h.3.attn.c_attn" — the first numbered component."""
     parts = path.split(".")

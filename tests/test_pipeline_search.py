@@ -268,3 +268,5 @@ def test_price_stops_where_no_split_can_fit(schedule, budget, weighted):
     [c] = price(prof, 2, 1, 1, 4, (schedule,), budget)
     assert not c.feasible
     assert [r for r in prof.rows if r[1] != 1.0] == weighted, prof.rows
+    if weighted:   # nothing is solved after the weighted row that proves no split fits (its tighter rows neither)
+        assert prof.rows[-1] == weighted[-1], prof.rows

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.graph import MODULE_PATH, NAME, STAMPED_FROM, UNSCOPED, VAL
+from autopar.graph import MODULE_PATH, NAME, STAMPED_FROM, UNSCOPED, VAL, val_of
 
 log = logging.getLogger(__name__)
 TRACED = 3      # first layer, the template (a layer on each side), last layer
@@ -381,3 +381,57 @@ def finish(gm: fx.GraphModule, loss: fx.Node, grads: dict[str, fx.Node], order: 
     out.meta[VAL] = tuple(n.meta[VAL] for n in out.args[0])
     gm.graph.lint()
     gm.recompile()
+
+
+# ---------------------------------------------------------------- stamped copies after capture
+
+def stamped_templates(graph: fx.Graph) -> dict[fx.Node, fx.Node]:
+    """Stamped op node -> the traced node it was copied from (`stamp_stack`, meta STAMPED_FROM),
+    where the two still make the same call: the same target, argument and keyword structure with the same
+    scalars, and inputs and outputs of the same shapes and dtypes. Stamping makes them so by construction;
+    this check keeps it exact after later rewrites (canonicalize), and a node failing it is enumerated
+    as any other. Same call, same strategies and costs (`StrategyEnumerator.like`)."""
+    by_name: dict[str, fx.Node] | None = None
+    out: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        src = node.meta.get(STAMPED_FROM)
+        if src is None or node.op != "call_function":
+            continue
+        if by_name is None:
+            by_name = {n.name: n for n in graph.nodes}
+        t = by_name.get(src)
+        if t is not None and t is not node and _same_call(node, t):
+            out[node] = t
+    return out
+
+
+def _same_call(a: fx.Node, b: fx.Node) -> bool:
+    """Rules see a call as its target, its arguments with each input node replaced by (position among
+    the node's distinct inputs, shape, dtype), and its outputs' shapes and dtypes (`rules.OpCall`)."""
+    if a.op != b.op or a.target is not b.target or not _same_tensor(val_of(a), val_of(b)):
+        return False
+    ia = {n: i for i, n in enumerate(a.all_input_nodes)}
+    ib = {n: i for i, n in enumerate(b.all_input_nodes)}
+    return len(ia) == len(ib) and _same_args(a.args, b.args, ia, ib) and _same_args(a.kwargs, b.kwargs, ia, ib)
+
+
+def _same_args(x, y, ix: dict, iy: dict) -> bool:
+    if isinstance(x, fx.Node) or isinstance(y, fx.Node):
+        return (isinstance(x, fx.Node) and isinstance(y, fx.Node) and ix[x] == iy[y]
+                and _same_tensor(val_of(x), val_of(y)))
+    if isinstance(x, (tuple, list)):
+        return type(x) is type(y) and len(x) == len(y) and all(_same_args(p, q, ix, iy) for p, q in zip(x, y))
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(_same_args(x[k], y[k], ix, iy) for k in x)
+    return type(x) is type(y) and x == y
+
+
+def _same_tensor(u, v) -> bool:
+    """The same value description: tensors of one shape and dtype, tuples of such, or equal scalars."""
+    if u is v:
+        return True
+    if isinstance(u, torch.Tensor):
+        return isinstance(v, torch.Tensor) and u.shape == v.shape and u.dtype == v.dtype
+    if isinstance(u, (tuple, list)):
+        return isinstance(v, (tuple, list)) and len(u) == len(v) and all(_same_tensor(p, q) for p, q in zip(u, v))
+    return type(u) is type(v) and u == v

@@ -49,13 +49,14 @@ from autopar.pipeline.layer_profile import layer_costs
 from autopar.pipeline.search import Profiler, batch_size, candidate_jobs, state_floor
 from autopar.pipeline.stages import INTERLEAVE, step_lower_bound
 from autopar.plan import Plan
-from autopar.planning import spmd
+from autopar.planning import collector, spmd
 from autopar.sharding import recipes
 
 SEARCHES = ("fast", "exact")
 FAST_RATIO = 4.0   # search="fast" searches pipelines when the 1-D SPMD step exceeds this times their least bound
 
 
+@collector.paused()   # planning frees by reference counting; captures run with the collector (below)
 def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimizer: str = "adamw", loss_fn=None,
               time_limit=None, example_kwargs=None, baselines: bool = True, mixed_precision=None, recompute=None,
               num_microbatches=None, schedule=None, pipelines: bool = True, search: str = "fast", captured=None) -> Plan:
@@ -78,10 +79,10 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     policy = precision.as_policy(mixed_precision)
     timer = PhaseTimer()
     if captured is None:   # only costed here, never run: no code generated per rewrite (as Profiler.captured)
-        with compat.lazy_recompile(), timer("capture"):
+        with compat.lazy_recompile(), collector.running(), timer("capture"):
             captured = capture(model, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
                                mixed_precision=policy)
-        with compat.lazy_recompile(), timer("canonicalize"):
+        with compat.lazy_recompile(), collector.running(), timer("canonicalize"):
             canonicalize(captured.gm)
     prof = Profiler(model, example_inputs, mesh.hardware, mesh.devices_per_node, optimizer, loss_fn, time_limit,
                     policy, example_kwargs)

@@ -14,8 +14,11 @@ fewer units), so a weighted row that no SPMD plan meets is retried at FLOOR_SLAC
 weighted memory: those plans keep the fewest activations, and often split. Not where no split can
 fit: the stages together hold at least Σ state + c · Σ activations >= (c / w) · (least weighted
 memory) for c the fewest micro-batches any stage keeps, which must not exceed pp * budget (GPipe,
-where every stage keeps m = w, is thus never retried). When no plan meets the loosest unweighted row,
-pp * budget, no split fits at all (every stage keeps at least one micro-batch): the candidate stops.
+where every stage keeps m = w, is thus never retried). Where it does exceed it, no plan of any row
+splits, and the candidate stops there (before, the tighter unweighted row was solved too: on
+Llama-3-70B x 64, a 2-D GPipe group's memory-row MIP took 156 CPU s to find a plan that could not
+split). When no plan meets the loosest unweighted row, pp * budget, no split fits at all (every stage
+keeps at least one micro-batch): the candidate stops.
 A row the looser plan already meets is not re-solved. Unweighted rows alone let the SPMD plan keep
 large activations (Llama-70B on 256 devices at 40 GB, pp 8 x dp 4 x tp 8, 1F1B, m 32: 92 GB of
 activations per micro-batch under a 160 GB row, kept up to 8 times on the first stages), so auto
@@ -137,6 +140,8 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
                     break   # every stage keeps >= 1 micro-batch: no split of any plan holds less than this row
                 rows[k:] = [r for r in rows[k:] if r[1] != w]   # drop this weight's tighter rows
                 floor = e.min_memory_per_device   # the least weighted memory any SPMD plan has
+                if floor is not None and floor * fewest / w > pp * budget * (1 + 1e-9):
+                    break   # no plan splits under any row: its stages hold >= (fewest / w) * floor together
                 if (w != 1.0 and floor is not None and math.isfinite(floor) and (floor * FLOOR_SLACK, w) not in rows
                         and floor * fewest / w <= pp * budget):
                     rows.insert(k, (floor * FLOOR_SLACK, w))   # the most activation-frugal plans

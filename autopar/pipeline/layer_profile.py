@@ -48,12 +48,16 @@ def layer_stack(prob: CostProblem) -> str:
 
 
 def unit_names(prob: CostProblem) -> tuple[list[str], list[int]]:
-    """Unit names in execution order and the unit index of every cost-graph node."""
-    stack = layer_stack(prob)
-    layers = sorted({k[1] for k in (layer_of(node_path(n)) for n in prob.nodes) if k and k[0] == stack})
-    names = [PRE] + [f"{stack}.{i}" for i in layers] + [POST]
-    position = {i: j + 1 for j, i in enumerate(layers)}
-    return names, _assign(prob, stack, position, len(names) - 1)
+    """Unit names in execution order and the unit index of every cost-graph node (computed once per
+    CostProblem: they depend on its nodes only, and every memory row of a pipeline group asks)."""
+    if "units" not in prob.derived:
+        stack = layer_stack(prob)
+        layers = sorted({k[1] for k in (layer_of(node_path(n)) for n in prob.nodes) if k and k[0] == stack})
+        names = [PRE] + [f"{stack}.{i}" for i in layers] + [POST]
+        position = {i: j + 1 for j, i in enumerate(layers)}
+        prob.derived["units"] = (tuple(names), tuple(_assign(prob, stack, position, len(names) - 1)))
+    names, unit = prob.derived["units"]
+    return list(names), list(unit)
 
 
 def _stack_unit(node: fx.Node, stack: str, position: dict[int, int]) -> int | None:

@@ -41,7 +41,7 @@ from autopar.pipeline import planning as pipelined
 from autopar.pipeline.candidates import Candidate, branch_and_bound, price
 from autopar.pipeline.layer_profile import layer_costs, unit_names
 from autopar.pipeline.stages import INTERLEAVE, SCHEDULES, LayerCost, mesh_factorizations
-from autopar.planning import spmd
+from autopar.planning import collector, spmd
 from autopar.planning.costgraph import CostGraph, CostNode
 from autopar.planning.forest_bound import forest_lower_bound, spanning_forest
 from autopar.planning.problem import ProblemBuilder
@@ -128,6 +128,7 @@ class Profiler:
         self.floors: dict[int, tuple[float, float, int]] = {}   # (per micro-batch, per step, units)
         self.forests: dict = {}                             # the spanning forest of the last CostProblem bounded
         self.reshards: dict[tuple, ReshardCost] = {}        # layout pricing per sub-mesh, shared by every build
+        self.spec_matrices: dict[tuple, dict] = {}          # ProblemBuilder's spec-pair matrices per sub-mesh, shared
         self.weighted: dict[tuple, tuple] = {}              # (CostProblem key, weight) -> (CostProblem, CostGraph, cache)
         self.solutions: dict[tuple, object] = {}            # layers()'s key -> the solver's Solution (plans build from it)
 
@@ -136,7 +137,8 @@ class Profiler:
             inputs, kwargs = split_inputs(self.inputs, m, batch_size(self.inputs)), {}
             if self.kwargs:
                 kwargs = split_inputs((self.kwargs,), m, batch_size(self.inputs))[0]
-            with compat.lazy_recompile():   # the graph is costed, not run: no code generation per rewrite
+            # the graph is costed, not run: no code generation per rewrite; tracing leaves cyclic garbage
+            with compat.lazy_recompile(), collector.running():
                 cap = capture(self.model, inputs, example_kwargs=kwargs or None, loss_fn=self.loss_fn,
                               stamp_layers=True, mixed_precision=self.policy)
                 canonicalize(cap.gm)
@@ -170,6 +172,8 @@ class Profiler:
         builder = ProblemBuilder(cap, mesh, self.optimizer)
         key = (tuple(mesh.shape), mesh.axis_names)
         builder.reshard = self.reshards.setdefault(key, builder.reshard)
+        # and so are its priced (specs, specs, bytes) matrices: a weight's edges move the same bytes at every m
+        builder.share_matrices(self.spec_matrices.setdefault(key, {}))
         return builder
 
     @staticmethod

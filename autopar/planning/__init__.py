@@ -4,5 +4,5 @@
 between placements), `costgraph` (the solver's torch-free input), `simplify`, `dp_oracle`, `ilp`,
 `forest_bound` and `solver` (exact simplification, DP and the ILP), `recompute` (activation recompute
 as a solver decision), `assemble` (a solution -> a Plan), `spmd` (the SPMD planning steps in order),
-`scaling` (where adding devices stops paying).
+`scaling` (where adding devices stops paying), `collector` (the garbage collector paused while planning).
 """

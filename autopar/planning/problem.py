@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from autopar.capture import precision
+from autopar.capture.stamp import stamped_templates
 from autopar.costmodel import compute
 from autopar.costmodel.memory import optimizer_state_bytes_per_param, steps_local_shards
 from autopar.graph import (
@@ -86,6 +87,7 @@ class CostProblem:
     signatures: dict = field(default_factory=dict)    # op node -> signature (StrategyEnumerator.signature)
     solver_cache: dict = field(default_factory=dict)  # reused across the solves of one plan (planner)
     restrictions: dict = field(default_factory=dict)  # recipe names -> allowed strategies (spmd.restricted_choices)
+    derived: dict = field(default_factory=dict)       # pure functions of the problem, kept (layer_profile.unit_names)
 
 
 def model_flops(gm: fx.GraphModule) -> float:
@@ -169,7 +171,7 @@ def saved_values(gm: fx.GraphModule, recomputed: frozenset = frozenset()) -> set
 
 class ProblemBuilder:
     def __init__(self, captured, mesh, optimizer: str = "adamw", enumerator: StrategyEnumerator | None = None,
-                 prune: bool = True):
+                 prune: bool = True, reuse_stamped: bool = True):
         self.captured = captured
         self.gm = captured.gm
         self.mesh = mesh
@@ -187,6 +189,14 @@ class ProblemBuilder:
         self._memo: dict[tuple, tuple[np.ndarray, tuple]] = {}
         self._placeholder_strategies: dict[tuple, list[NodeStrategy]] = {}
         self.prune = prune  # False keeps every rule strategy (tests compare the optima)
+        # a stamped layer's op takes its template's strategies and signature (`stamped_templates`); False
+        # enumerates every node afresh (tests compare the two)
+        self.reuse_stamped = reuse_stamped
+
+    def share_matrices(self, store: dict) -> None:
+        """Price reshard matrices into `store`, shared with other builders on the same mesh and hardware
+        (`_spec_matrix`'s key holds everything the price depends on but the mesh)."""
+        self._matrices = store
 
     def build(self, allowed=None) -> CostProblem:
         """`allowed(node, strategies) -> strategies` may restrict choices (forced recipes)."""
@@ -202,10 +212,12 @@ class ProblemBuilder:
         the loss's all-reduce not yet added). What `autopar.pipeline.search.Profiler.seconds_bound` reads,
         at about half the cost of `build`."""
         nodes, strats = [], []
+        templates = stamped_templates(self.gm.graph) if self.reuse_stamped else {}
         for node in self.gm.graph.nodes:
             if node.op == "output" or is_getitem(node) or val_of(node) is None:
                 continue
-            cands = self._strategies(node)
+            template = templates.get(node)
+            cands = self._strategies(node) if template is None else self.enumerate.like(node, template)
             if allowed is not None:
                 cands = allowed(node, cands)
             if not cands:
@@ -280,6 +292,25 @@ class ProblemBuilder:
         return act
 
     def _placeholder_costs(self, node, strats, mem, comm, opt_bytes) -> np.ndarray:
+        """Seconds per strategy of a placeholder (its optimizer step); fills its memory and node-local
+        collectives. A pure function of (strategy list, role, trainable, bytes, elements): the same
+        parameter of L identical layers is priced once and copied."""
+        val = val_of(node)
+        trainable = node.meta[ROLE] == "param" and node.meta[NAME] in self.captured.grad_param_names
+        key = ("placeholder", id(strats), node.meta[ROLE], trainable, nbytes_of(val),
+               val.numel() if isinstance(val, torch.Tensor) else 0)
+        if key not in self._memo:
+            fresh = {c: np.zeros(len(strats)) for c in CATEGORIES}
+            fresh_comm = np.zeros(len(strats))
+            times = self._price_placeholder(node, strats, fresh, fresh_comm, opt_bytes, trainable)
+            self._memo[key] = ((times, fresh, fresh_comm), (strats,))
+        times, found, found_comm = self._memo[key][0]
+        for c, arr in found.items():
+            mem[c][:] = arr
+        comm[:] = found_comm
+        return times.copy()
+
+    def _price_placeholder(self, node, strats, mem, comm, opt_bytes, trainable: bool) -> np.ndarray:
         val = val_of(node)
         nbytes = nbytes_of(val)
         times = np.zeros(len(strats))
@@ -287,7 +318,6 @@ class ProblemBuilder:
             if node.meta[ROLE] == "buffer":
                 mem["params"][:] = [nbytes * local_fraction(s.outs[0], self.axis_sizes) for s in strats]
             return times
-        trainable = node.meta[NAME] in self.captured.grad_param_names
         for k, s in enumerate(strats):
             for cat, b in param_memory(s, nbytes, val.numel(), self.axis_sizes, opt_bytes, trainable).items():
                 mem[cat][k] = b

@@ -53,6 +53,19 @@ class StrategyEnumerator:
         self._cache[key] = result = self._enumerate(call)
         return result
 
+    def like(self, node: fx.Node, template: fx.Node) -> list[NodeStrategy]:
+        """`self(node)` for a node known to make the same call as `template` (a stamped copy of it:
+        `autopar.capture.stamp`; the caller checks the op and shapes): the template's signature and
+        strategy list, without building the call's signature again (what `__call__` spends its time on)."""
+        if template not in self.signature:
+            self(template)
+        key = self.signature[node] = self.signature[template]
+        self.cache_hits += 1
+        name = str(node.target)
+        if name in self.unsupported:
+            self.unsupported[name] += 1
+        return self._cache[key]
+
     def _axis_strategies(self, call: OpCall) -> list[AxisStrategy]:
         rule = find_rule(call.target)
         replicate = AxisStrategy(tuple(R if o is not None else None for o in call.outs), (R,) * call.num_inputs)
