@@ -25,7 +25,6 @@ what the runtime adds around each rank's program once per step (the inputs cut, 
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from autopar._testing.gpt import GPT, GPTConfig
-from autopar.calibration.timing import sustained_time
+from autopar.calibration.timing import mean_time, sustained_time
 from autopar.capture.canonicalize import canonicalize
 from autopar.capture.trace import capture
 from autopar.costmodel.hardware import HardwareSpec
@@ -145,11 +144,8 @@ def measure_runtime_step(spec: HardwareSpec, device: torch.device, iters: int, s
             step()
         runs = []
         for _ in range(max(iters, 3)):
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):   # the same count on every rank: each step's collectives pair up
-                step()
-            runs.append((time.perf_counter() - start) / steps)
+            dist.barrier()   # mean_time: the same count on every rank, so each step's collectives pair up
+            runs.append(mean_time(step, device, steps))
     measured = torch.tensor([float(np.median(runs))], dtype=torch.float64)
     dist.all_reduce(measured, op=dist.ReduceOp.MAX)   # one profile for all: the slowest rank's
     return RuntimeStep(float(measured.item()), pmodel.plan.predicted_step_time)
