@@ -270,3 +270,22 @@ def test_price_stops_where_no_split_can_fit(schedule, budget, weighted):
     assert [r for r in prof.rows if r[1] != 1.0] == weighted, prof.rows
     if weighted:   # nothing is solved after the weighted row that proves no split fits (its tighter rows neither)
         assert prof.rows[-1] == weighted[-1], prof.rows
+
+
+def test_a_fast_search_solves_no_memory_rows_for_a_candidate_no_faster_than_the_best():
+    """`price`'s cutoff (search="fast"): the plans of the weighted-row test above, whose budget-free
+    plan ("fast") does not split under 20 GB. With that plan's split without a budget at SKIP_MARGIN
+    times the cutoff, no memory row is solved and the candidate comes back skipped, its reason saying
+    why; with a cutoff above that, the candidate is priced exactly as without one (the weighted row's plan)."""
+    from autopar.pipeline.candidates import SKIP_MARGIN, SKIPPED, price
+    plans = {"fast": (1.0, 4.0, 1.0), "mid": (1.0, 2.5, 1.2), "lean": (1.0, 1.0, 1.5)}
+    exact = price(_TradeOffProfiler(plans, 8), 2, 1, 1, 4, ("1f1b",), 20e9)
+    hw = get_hardware("h100")
+    full = autopar.Mesh((2, 1, 1), ("pp", "dp", "tp"), hw, 8)
+    free = partition(_TradeOffProfiler(plans, 8).layers(4, 1, 1, None), 2, 4, "1f1b",
+                     p2p_time=lambda nbytes: full.p2p_time(nbytes, "pp"), overhead=hw.runtime_overhead).step_time
+    assert free < exact[0].step_time
+    prof = _TradeOffProfiler(plans, 8)
+    [c] = price(prof, 2, 1, 1, 4, ("1f1b",), 20e9, cutoff=free / SKIP_MARGIN)
+    assert not c.feasible and c.reason.startswith(SKIPPED) and prof.rows == [(None, 1.0)], (c, prof.rows)
+    assert price(_TradeOffProfiler(plans, 8), 2, 1, 1, 4, ("1f1b",), 20e9, cutoff=free / SKIP_MARGIN * 1.01) == exact

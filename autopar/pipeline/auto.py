@@ -18,7 +18,10 @@ One capture of the whole batch (under the mixed-precision policy, with `example_
      devices as one axis does not fit, or its step exceeds FAST_RATIO times the least lower bound of a
      pipeline's step (SPMD is far from the work's own time: a pipeline may win by a wide margin). The
      rule reads the 1-D plan and the device count only, so Mesh((N,)) and Mesh((N // k, k)) search
-     the same pipelines, and the same inputs give the same plan; search="exact" always searches them. `plan.solver["search"]` says which ran.
+     the same pipelines, and the same inputs give the same plan; search="exact" always searches them.
+     The fast search also solves no memory rows for a candidate whose budget-free plan splits no faster
+     than the best found (`candidates.price`'s cutoff: a heuristic; those MIPs were nearly all of a
+     large model's search time). `plan.solver["search"]` says which ran, and how many rows it skipped.
   3. Only when nothing above fits: SPMD on every other 2-D grid (N / k) x k of the same devices
      (`autopar.pipeline.regrid`), so that feasibility never falls as devices are added (a batch of 64
      that 64 devices run as a pipeline runs on 1,024 as 64 x 16).
@@ -107,7 +110,7 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     incumbent = best.predicted_step_time if best is not None else float("inf")
     found: list[Candidate] = []
     jobs: list[tuple] = []
-    explored = False
+    explored, walk = False, {}
     if pipelines:
         schedules = (schedule,) if schedule else pipelined.SCHEDULES
         with timer("search"):   # the bounds' one-device problem of the whole batch (unit count included)
@@ -118,7 +121,8 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
                  for pp, dp, tp, m, names in jobs for s in names), default=float("inf"))
         if explored:
             with timer("search"):
-                found = branch_and_bound(prof, jobs, budget, None, keep=1, incumbent=incumbent)
+                found = branch_and_bound(prof, jobs, budget, None, keep=1, incumbent=incumbent,
+                                         fast=search == "fast", stats=walk)
             log(1, f"layout search: {sum(len(j[4]) for j in jobs)} pipeline candidates, {len(found)} priced "
                    f"(incumbent {incumbent:.4g} s)")
     piped = min((c for c in found if c.feasible), key=lambda c: c.step_time, default=None)
@@ -147,7 +151,7 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
         table[_label(runner_up)] = {"feasible": True, "time": runner_up.step_time,
                                     "memory": runner_up.memory_per_device, "reason": ""}
     stats = {"pipeline_candidates": sum(len(j[4]) for j in jobs), "priced": len(found),
-             "pipelines_searched": bool(jobs) and explored}
+             "pipelines_searched": bool(jobs) and explored, **walk}
     return dataclasses.replace(best, baselines=table if baselines else best.baselines, timings=dict(timer),
                                solver={**best.solver, "search": stats})
 

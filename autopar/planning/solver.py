@@ -79,7 +79,7 @@ def _mip(p: SolverProblem, backend: str, deadline: float, hint: dict[int, int] |
     if backend in ("auto", "dp"):
         backend = _MIP_BACKEND if _pair_variables(q) <= _HIGHS_ABOVE else "highs"
     m = build_model(q, backend)
-    stats["ilp_variables"] = m.solver.NumVariables()
+    stats.update(ilp_variables=m.solver.NumVariables(), mip_backend=backend)
     qhint = {i: hint[i] for i in q.time} if hint is not None else None
     seconds = deadline - _time.monotonic()
     choice, status, bound = run_model(m, q, backend, seconds, qhint, deterministic, gap)
@@ -232,7 +232,7 @@ def _search(p: SolverProblem, backend: str, deadline: float, hint: dict[int, int
     if best_t - bound <= gap * abs(best_t) or backend == "dp":
         return best, "optimal" if best_t - bound <= gap * abs(best_t) else "feasible", bound, "dp"
     choice, status, mip_bound = _mip(p, backend, deadline, best, deterministic, stats, gap)
-    used = _MIP_BACKEND if backend == "auto" else backend
+    used = stats.get("mip_backend", backend)   # "auto" picks HiGHS above _HIGHS_ABOVE pair variables
     if status == "infeasible":
         raise SolverError(f"{used}: ILP infeasible although plan {best} fits (numerical trouble)")
     if _fits(p, choice) and p.evaluate(choice)[0] <= best_t:
