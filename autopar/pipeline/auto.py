@@ -19,9 +19,9 @@ One capture of the whole batch (under the mixed-precision policy, with `example_
      pipeline's step (SPMD is far from the work's own time: a pipeline may win by a wide margin). The
      rule reads the 1-D plan and the device count only, so Mesh((N,)) and Mesh((N // k, k)) search
      the same pipelines, and the same inputs give the same plan; search="exact" always searches them.
-     The fast search also solves no memory rows for a candidate whose budget-free plan splits no faster
-     than the best found (`candidates.price`'s cutoff: a heuristic; those MIPs were nearly all of a
-     large model's search time). `plan.solver["search"]` says which ran, and how many rows it skipped.
+     The fast search also solves no memory rows for a candidate whose budget-free plan, split without a
+     budget, is 1.05x the best step found or slower (`candidates.price`'s cutoff: a heuristic; those
+     MIPs were nearly all of a large model's search time). `plan.solver["search"]` says which ran, and how many rows it skipped.
   3. Only when nothing above fits: SPMD on every other 2-D grid (N / k) x k of the same devices
      (`autopar.pipeline.regrid`), so that feasibility never falls as devices are added (a batch of 64
      that 64 devices run as a pipeline runs on 1,024 as 64 x 16).

@@ -90,7 +90,7 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
     `incumbent`: the step time of a plan found outside `jobs` (the default search's SPMD plan): no
     candidate whose bound exceeds it is priced.
     `fast` (the default search's "fast" mode): `price` solves no memory rows for a candidate whose
-    budget-free plan splits no faster than the best found (see `price`). `stats` (a dict) receives
+    budget-free plan splits SKIP_MARGIN times slower than the best found or more (see `price`). `stats` (a dict) receives
     groups, groups_priced and rows_skipped."""
     groups: dict[tuple, list[tuple]] = {}
     for pp, dp, tp, m, names in jobs:
@@ -179,8 +179,8 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
                     free = partition(layers, pp, m, schedule, p2p_time=p2p, memory_budget=None, v=v,
                                      overhead=full.hardware.runtime_overhead).step_time
                     if free >= SKIP_MARGIN * cutoff:
-                        skipped = (f"{SKIPPED}: its budget-free plan splits at {free:.4g} s, no faster than the best "
-                                   f"found ({cutoff:.4g} s), and needs {format_bytes(least)} per device")
+                        skipped = (f"{SKIPPED}: its budget-free plan splits at {free:.4g} s, {free / cutoff:.2f}x the "
+                                   f"best found ({cutoff:.4g} s), and needs {format_bytes(least)} per device")
                         break
                 continue
             best = Candidate(pp, dp, tp, m, schedule, True, split.step_time, max(split.stage_memory), split,
