@@ -23,7 +23,8 @@ Llama) runs in one spawn, once for every test that reads it (the module fixture 
 world 4 103 s, the FX cache test 48 s: it compiles cold by design), about 13 min from a cold one at load 8-15
 (GPT 366 s, Llama 272 s); 10 min 12 s at load 9 after compiled plans got their own pricing (some programs new). One world-2 spawn and a
 1-layer Llama for the SPMD configs, cold cache, at load 7-11 (before and after at once): 39 min 7 s -> 34 min 59 s,
-1,194 -> 1,148 s CPU (world-2 cases 1,983 s -> 1,843 s).
+1,194 -> 1,148 s CPU (world-2 cases 1,983 s -> 1,843 s). Scalar kernels and no compile-worker pool
+(`INDUCTOR_ENV` below), cold cache, load 4: 16 min 35 s, 678 s CPU (world-2 cases 819 s).
 """
 from __future__ import annotations
 
@@ -68,6 +69,26 @@ CASES = {
     "llama": (lambda: models.tiny_llama(batch=4, seq=16, n_layer=1), SPMD),
     "llama pp2": (lambda: models.tiny_llama(batch=4, seq=16), PP2),
 }
+
+
+# Inductor's C++ backend for this file's processes (the spawned ranks and the FX-cache probes read them from the
+# environment; set while this module runs, unless the caller set them): scalar kernels (no AVX: g++ builds each
+# kernel in about half the time, the ATen vector headers and templates unused) and compiles in the process itself
+# (no pool of compile workers per rank, each importing torch, on 2 shared cores). autopar's side is unchanged (the
+# same program handed to Inductor, the same generated wrapper with its collectives and waits); the compiled
+# numerics are still checked against the eager program's. Tiny GPT, dp, one process, cold cache: compile 47 s ->
+# 28 s, g++ 40 -> 22 CPU s.
+INDUCTOR_ENV = {"TORCHINDUCTOR_VEC_ISA_OK": "0", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cheap_inductor():
+    saved = {k: os.environ.get(k) for k in INDUCTOR_ENV}
+    os.environ.update({k: v for k, v in INDUCTOR_ENV.items() if saved[k] is None})
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
 
 
 # ---------------------------------------------------------------- helpers (also run in spawned ranks)
