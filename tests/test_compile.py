@@ -2,7 +2,7 @@
 FX program does, and the whole step is one compiled program with its collectives inside.
 
 World 2, 3 AdamW steps, for dp, zero3, tp, auto and a 2-stage pipeline, on the hand-written GPT and on
-transformers' Llama: fp32 losses and every parameter afterwards within rtol 1e-4 / atol 1e-5 of the eager
+transformers' Llama (one decoder layer for dp, zero3, tp, auto; two for the pipeline): fp32 losses and every parameter afterwards within rtol 1e-4 / atol 1e-5 of the eager
 program's (Inductor reorders fp32 sums: ~1e-6 here); bf16 (autocast) as tests/test_mixed_precision.py allows
 (losses within half a bf16 ulp, 0.015; parameters within the 3 Adam steps of lr each that a gradient of
 another rounding may take: 2 * 3 * lr).
@@ -16,12 +16,16 @@ and phase, as the plan prices (`overlap` "layers", autopar/runtime/compile.py). 
 the same program loads it from Inductor's FX graph cache. CUDA graphs (compile="cudagraphs") cannot run
 here: on CPU they raise InputError.
 
-Inductor compiles on 2 shared cores are slow (C++ codegen and g++ per kernel): tiny models only, and one
-Inductor cache for every rank and test (TORCHINDUCTOR_CACHE_DIR, set below unless the caller set one; its
-FX graph cache also serves a later session). The GPT cases run once for every test that reads them (a module
-fixture). Measured for this file: 7 min 50 s with a warm cache at load 6-8 (GPT 99 s, Llama 157 s, pp2 x dp2 at
+Inductor compiles on 2 shared cores are slow (Inductor's C++ codegen, in Python, grows with the graph's nodes;
+g++ per new kernel): tiny models only, and one Inductor cache for every rank and test (TORCHINDUCTOR_CACHE_DIR,
+set below unless the caller set one; its FX graph cache also serves a later session). Every world-2 case (GPT,
+Llama) runs in one spawn, once for every test that reads it (the module fixture `world2`). Measured for this file: 7 min 50 s with a warm cache at load 6-8 (GPT 99 s, Llama 157 s, pp2 x dp2 at
 world 4 103 s, the FX cache test 48 s: it compiles cold by design), about 13 min from a cold one at load 8-15
-(GPT 366 s, Llama 272 s); 10 min 12 s at load 9 after compiled plans got their own pricing (some programs new).
+(GPT 366 s, Llama 272 s); 10 min 12 s at load 9 after compiled plans got their own pricing (some programs new). One world-2 spawn and a
+1-layer Llama for the SPMD configs, cold cache, at load 7-11 (before and after at once): 39 min 7 s -> 34 min 59 s,
+1,194 -> 1,148 s CPU (world-2 cases 1,983 s -> 1,843 s). Scalar kernels and no compile-worker pool
+(`INDUCTOR_ENV` below), cold cache, load 4: 16 min 35 s, 678 s CPU (world-2 cases 819 s); main's file
+before this change, cold, load 5-7: 27 min 26 s, 915 s CPU.
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ import torch
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "autopar_inductor_cache"))
 
 from autopar._testing import models  # noqa: E402
-from autopar._testing.dist_cases import LR, train_steps  # noqa: E402
+from autopar._testing.dist_cases import LR, run_each, train_steps  # noqa: E402
 from autopar._testing.dist_utils import run_distributed  # noqa: E402
 
 STEPS = 3
@@ -52,9 +56,40 @@ KERNEL = re.compile(r"^\s+(cpp_fused_\w+|extern_kernels\.\w+)\(", re.M)
 
 PP_DP = {"pp2 x dp2 zero2": dict(mesh=((2, 2), ("pp", "dp")), strategy={"dp": "zero2"}, schedule="1f1b",
                                  num_microbatches=2)}
-MODELS = {"gpt": lambda: models.tiny_gpt(batch=4, seq=16), "llama": lambda: models.tiny_llama(batch=4, seq=16)}
-CONFIGS = {"dp": dict(strategy="dp"), "zero3": dict(strategy="zero3"), "tp": dict(strategy="tp"),
-           "auto": dict(strategy="auto"), "pp2": dict(num_stages=2, schedule="1f1b", num_microbatches=2)}
+SPMD = {"dp": dict(strategy="dp"), "zero3": dict(strategy="zero3"), "tp": dict(strategy="tp"),
+        "auto": dict(strategy="auto")}
+PP2 = {"pp2": dict(num_stages=2, schedule="1f1b", num_microbatches=2)}
+# The world-2 cases, all in one spawn (`world2`): name -> (model, configs). Llama's SPMD programs on one decoder
+# layer (its ops, rotary embedding and grouped-query attention, are all in one layer; Inductor's codegen time grows
+# with the layers, and per-layer gathers are the GPT's to show); its 2-stage pipeline on two, so that the stage cut
+# falls between decoder layers (the rotary tables and the mask cross it, as in a deeper model).
+CASES = {
+    "gpt": (lambda: models.tiny_gpt(batch=4, seq=16),
+            dict(SPMD, **PP2, **{"dp bf16": dict(strategy="dp", mixed_precision="bf16"),
+                                 "zero3 layers": dict(strategy="zero3", overlap="layers")})),
+    "llama": (lambda: models.tiny_llama(batch=4, seq=16, n_layer=1), SPMD),
+    "llama pp2": (lambda: models.tiny_llama(batch=4, seq=16), PP2),
+}
+
+
+# Inductor's C++ backend for this file's processes (the spawned ranks and the FX-cache probes read them from the
+# environment; set while this module runs, unless the caller set them): scalar kernels (no AVX: g++ builds each
+# kernel in about half the time, the ATen vector headers and templates unused) and compiles in the process itself
+# (no pool of compile workers per rank, each importing torch, on 2 shared cores). autopar's side is unchanged (the
+# same program handed to Inductor, the same generated wrapper with its collectives and waits); the compiled
+# numerics are still checked against the eager program's. Tiny GPT, dp, one process, cold cache: compile 47 s ->
+# 28 s, g++ 40 -> 22 CPU s.
+INDUCTOR_ENV = {"TORCHINDUCTOR_VEC_ISA_OK": "0", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cheap_inductor():
+    saved = {k: os.environ.get(k) for k in INDUCTOR_ENV}
+    os.environ.update({k: v for k, v in INDUCTOR_ENV.items() if saved[k] is None})
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
 
 
 # ---------------------------------------------------------------- helpers (also run in spawned ranks)
@@ -174,24 +209,33 @@ def _check_one_graph(results, configs) -> None:
 
 
 @pytest.fixture(scope="module")
-def gpt_results():
-    """The GPT cases, trained eager and compiled once for every test below that reads them."""
-    case = MODELS["gpt"]()
-    configs = dict(CONFIGS, **{"dp bf16": dict(strategy="dp", mixed_precision="bf16"),
-                               "zero3 layers": dict(strategy="zero3", overlap="layers")})
-    results = run_distributed(compiled_vs_eager, 2, case.model, models.zoo_batches(case, STEPS), configs,
-                              timeout=1500)
+def world2():
+    """Every world-2 case (`CASES`), trained eager and compiled in one spawn of 2 ranks (dist_cases.run_each:
+    a spawn costs each rank seconds of imports and Inductor's start), once for every test that reads them:
+    name -> (configs, every rank's result, or the traceback of the rank where it raised)."""
+    cases = {name: (make(), configs) for name, (make, configs) in CASES.items()}
+    jobs = [(compiled_vs_eager, case.model, models.zoo_batches(case, STEPS), configs)
+            for case, configs in cases.values()]
+    results = run_distributed(run_each, 2, jobs, timeout=2400)
+    return {name: (configs, [r[i] for r in results]) for i, (name, (_, configs)) in enumerate(cases.items())}
+
+
+def _results(world2, name):
+    """`name`'s configs and per-rank results; a rank that raised fails the test with its traceback."""
+    configs, results = world2[name]
+    errors = [f"rank {rank}:\n{r}" for rank, r in enumerate(results) if isinstance(r, str)]
+    assert not errors, f"{name}:\n" + "\n".join(errors)
     return configs, results
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_compiled_equals_eager(name, request):
-    if name == "gpt":
-        configs, results = request.getfixturevalue("gpt_results")
-    else:
-        case, configs = MODELS[name](), dict(CONFIGS)
-        results = run_distributed(compiled_vs_eager, 2, case.model, models.zoo_batches(case, STEPS), configs,
-                                  timeout=1500)
+@pytest.fixture(scope="module")
+def gpt_results(world2):
+    return _results(world2, "gpt")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_compiled_equals_eager(name, world2):
+    configs, results = _results(world2, name)
     _check(results, configs)
     _check_one_graph(results, configs)
     print({label: [round(r[label]["compile_seconds"], 1) for r in results] for label in configs})

@@ -66,15 +66,28 @@ def test_train_gpt_loss_falls(world, tmp_path):
     assert (tmp_path / "final.pt").exists()
 
 
-def test_train_gpt_checkpoint_resume(tmp_path):
+COMMON = ["--steps", "20", "--log-every", "1", "--checkpoint-every", "10"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The default plan on 2 ranks for 20 steps, checkpointed every 10: (folder, its losses). Its checkpoints
+    and final parameters (folder/a.pt) are the reference of both resume tests below, which read copies or
+    only read (one torchrun job fewer)."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    out = run_example([*COMMON, "--checkpoint-dir", str(folder / "ckpt"), "--out", str(folder / "a.pt")], 2, folder)
+    return folder, logged_losses(out)
+
+
+def test_train_gpt_checkpoint_resume(tmp_path, uninterrupted):
     """A run resumed from the step-10 checkpoint (model + AdamW state through DCP) replays the
     uninterrupted run's losses for steps 10..19."""
-    ckpt = tmp_path / "ckpt"
-    common = ["--steps", "20", "--log-every", "1", "--checkpoint-every", "10", "--checkpoint-dir", str(ckpt)]
-    full = logged_losses(run_example(common, 2, tmp_path))
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step_10", "step_20"]
     import shutil
-    shutil.rmtree(ckpt / "step_20")
+    folder, full = uninterrupted
+    assert sorted(p.name for p in (folder / "ckpt").iterdir()) == ["step_10", "step_20"]
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(folder / "ckpt" / "step_10", ckpt / "step_10")   # the uninterrupted run's step_20 left out
+    common = [*COMMON, "--checkpoint-dir", str(ckpt)]
     out = run_example(common, 2, tmp_path)
     assert "resumed from" in out and "at step 10" in out, out
     resumed = logged_losses(out)
@@ -124,14 +137,13 @@ def _check_resume(tmp_path, first: list, first_world: int, then: list, then_worl
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
 
 
-def test_killed_rank_resumes_from_last_checkpoint(tmp_path):
+def test_killed_rank_resumes_from_last_checkpoint(tmp_path, uninterrupted):
     """A rank SIGKILLed at step 15 under `torchrun --max-restarts 1`: torchrun restarts the job, it
     resumes from the step-10 checkpoint, and the final parameters equal an uninterrupted run's."""
-    common = ["--steps", "20", "--log-every", "1", "--checkpoint-every", "10"]
-    run_example([*common, "--checkpoint-dir", str(tmp_path / "a"), "--out", str(tmp_path / "a.pt")], 2, tmp_path)
-    out = run_example([*common, "--checkpoint-dir", str(tmp_path / "b"), "--out", str(tmp_path / "b.pt"),
+    out = run_example([*COMMON, "--checkpoint-dir", str(tmp_path / "b"), "--out", str(tmp_path / "b.pt"),
                        "--fail-at-step", "15"], 2, tmp_path, restarts=1)
     assert "resumed from" in out and "at step 10" in out, out
-    a, b = torch.load(tmp_path / "a.pt", weights_only=True), torch.load(tmp_path / "b.pt", weights_only=True)
+    a = torch.load(uninterrupted[0] / "a.pt", weights_only=True)
+    b = torch.load(tmp_path / "b.pt", weights_only=True)
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=0, atol=0, msg=lambda m: f"{key}: {m}")

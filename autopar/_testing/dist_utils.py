@@ -18,8 +18,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, fn, args, queue):
+def _die_with_parent(parent: int) -> None:
+    """Linux: this rank gets SIGKILL when the process that spawned it dies (a killed or interrupted pytest would
+    otherwise leave its ranks running, computing or waiting on a collective, until their own timeouts)."""
+    import ctypes
+    import signal
+    import sys
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)   # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:   # the parent died before prctl: nobody will send the signal
+        os._exit(1)
+
+
+def _worker(rank, world, port, fn, args, queue, parent):
     import torch.distributed as dist
+    _die_with_parent(parent)
     faulthandler.enable()  # a crash in a native library prints every thread's Python stack
     # one share of the cores per rank, as torchrun's OMP_NUM_THREADS=1: 4 ranks of torch's default 2 intra-op
     # threads each would oversubscribe 2 cores
@@ -44,7 +61,8 @@ def run_distributed(fn, world: int, *args, timeout: float = 240.0) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue, os.getpid()),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     results, errors = {}, []

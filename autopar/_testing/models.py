@@ -68,11 +68,11 @@ def tiny_gpt2(batch: int = 2, seq: int = 16) -> Case:
     return Case(GPT2LMHeadModel(config), (ids,), {"labels": ids})
 
 
-def tiny_llama(batch: int = 2, seq: int = 16) -> Case:
-    """transformers LlamaForCausalLM with grouped-query attention (4 heads, 2 kv heads)."""
+def tiny_llama(batch: int = 2, seq: int = 16, n_layer: int = 2) -> Case:
+    """transformers LlamaForCausalLM with grouped-query attention (4 heads, 2 kv heads), 2 layers."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=n_layer, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=128, vocab_size=128,
                          max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
     ids = _tokens(128, batch, seq)
