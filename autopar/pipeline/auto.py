@@ -21,7 +21,8 @@ One capture of the whole batch (under the mixed-precision policy, with `example_
      the same pipelines, and the same inputs give the same plan; search="exact" always searches them.
      The fast search also solves no memory rows for a candidate whose budget-free plan, split without a
      budget, is 1.05x the best step found or slower (`candidates.price`'s cutoff: a heuristic; those
-     MIPs were nearly all of a large model's search time). `plan.solver["search"]` says which ran, and how many rows it skipped.
+     MIPs were nearly all of a large model's search time). `plan.solver["search"]` says which ran,
+     and how many rows it skipped.
   3. Only when nothing above fits: SPMD on every other 2-D grid (N / k) x k of the same devices
      (`autopar.pipeline.regrid`), so that feasibility never falls as devices are added (a batch of 64
      that 64 devices run as a pipeline runs on 1,024 as 64 x 16).

@@ -90,8 +90,8 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
     `incumbent`: the step time of a plan found outside `jobs` (the default search's SPMD plan): no
     candidate whose bound exceeds it is priced.
     `fast` (the default search's "fast" mode): `price` solves no memory rows for a candidate whose
-    budget-free plan splits SKIP_MARGIN times slower than the best found or more (see `price`). `stats` (a dict) receives
-    groups, groups_priced and rows_skipped."""
+    budget-free plan splits SKIP_MARGIN times slower than the best found or more (see `price`).
+    `stats` (a dict) receives groups, groups_priced (those where some candidate was priced) and rows_skipped."""
     groups: dict[tuple, list[tuple]] = {}
     for pp, dp, tp, m, names in jobs:
         ops, step = prof.seconds_bound(m, dp * tp)
@@ -105,7 +105,7 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
     for group in sorted(groups.values(), key=lambda g: min(g)[0]):   # stable: enumeration order on ties
         if min(group)[0] > cutoff:
             break  # every later group's least bound is larger still
-        priced += 1
+        priced_here = False
         # the forest needs the group's CostProblem: worth building first only where the solve is the costly
         # 2-D one (auto on a dp x tp sub-mesh); 1-D and forced-recipe groups solve by the DP in a blink
         forest = strategy is None and min(group[0][2], group[0][3]) > 1
@@ -116,9 +116,11 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
                 continue
             new = price(prof, pp, dp, tp, m, (s,), budget, strategy, cutoff if fast else None)
             found += new
+            priced_here = True
             fastest = sorted(fastest + [c.step_time for c in new if c.feasible])[:keep]
             # the bound is a sum of the same terms in another order: allow for float rounding
             cutoff = min(incumbent, fastest[-1] * (1 + 1e-9) if len(fastest) == keep else float("inf"))
+        priced += priced_here
     if stats is not None:
         stats.update(groups=len(groups), groups_priced=priced,
                      rows_skipped=sum(c.reason.startswith(SKIPPED) for c in found))
@@ -146,6 +148,11 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
             continue  # interleaving needs whole rounds of pp micro-batches
         best, least, held = None, float("inf"), None   # held: (state, activation) bytes of the last plan
         skipped = ""
+
+        def split_under(layers, memory_budget):
+            return partition(layers, pp, m, schedule, p2p_time=p2p, memory_budget=memory_budget, v=v,
+                             overhead=full.hardware.runtime_overhead)
+
         counts = [chunk_in_flight(schedule, pp, m, c, v) for c in range(pp * v)]   # micro-batches each chunk keeps
         rows, k, fewest = _rows(pp, counts, budget), 0, min(counts)
         while k < len(rows):
@@ -171,13 +178,11 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
             if pp * v > len(layers):
                 break
             try:
-                split = partition(layers, pp, m, schedule, p2p_time=p2p, memory_budget=budget, v=v,
-                                  overhead=full.hardware.runtime_overhead)
+                split = split_under(layers, budget)
             except InfeasiblePlanError as e:
                 least = min(least, e.min_memory_per_device or float("inf"))
                 if cutoff is not None and row is None:
-                    free = partition(layers, pp, m, schedule, p2p_time=p2p, memory_budget=None, v=v,
-                                     overhead=full.hardware.runtime_overhead).step_time
+                    free = split_under(layers, None).step_time
                     if free >= SKIP_MARGIN * cutoff:
                         skipped = (f"{SKIPPED}: its budget-free plan splits at {free:.4g} s, {free / cutoff:.2f}x the "
                                    f"best found ({cutoff:.4g} s), and needs {format_bytes(least)} per device")
