@@ -1,5 +1,7 @@
-"""The spanning-forest lower bound (autopar/planning/forest_bound.py) against brute force on small random
-cost graphs: exact on a tree, a lower bound with cycles, weighted terms included."""
+"""The spanning-forest lower bound (autopar/planning/forest_bound.py) and the LP bound of the layer quotient
+(autopar/planning/lp_bound.py) against brute force on small random cost graphs: exact on a tree, lower
+bounds with cycles, weighted terms included; the LP bound lies between the forest bound and the best
+tiled plan."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,6 +9,8 @@ import pytest
 
 from autopar.planning.costgraph import CostEdge, CostGraph, CostNode
 from autopar.planning.forest_bound import forest_lower_bound
+from autopar.planning.lp_bound import lp_lower_bound
+from autopar.planning.simplify import quotient_layers
 from autopar.planning.solver import brute_force
 
 
@@ -38,3 +42,37 @@ def test_forest_bound_is_exact_on_a_tree_and_below_the_optimum_with_cycles(seed)
     choice = brute_force(CostGraph([CostNode(nd.name, 2 * nd.time, nd.memory) for nd in cyclic.nodes],
                                    [CostEdge(e.src, e.dst, 0.5 * e.time) for e in cyclic.edges])).time
     assert forest_lower_bound(cyclic, w_nodes, w_edges) <= choice + 1e-12
+
+
+def _weighted(cg: CostGraph, w_nodes, w_edges) -> CostGraph:
+    return CostGraph([CostNode(nd.name, w * nd.time, nd.memory) for nd, w in zip(cg.nodes, w_nodes)],
+                     [CostEdge(e.src, e.dst, w * e.time) for e, w in zip(cg.edges, w_edges)],
+                     None, cg.memory_offset, cg.layer_groups)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lp_bound_lies_between_the_forest_bound_and_the_best_tiled_plan(seed):
+    """Three identical layers of three nodes (a chain inside, a skip edge across, a boundary edge
+    between consecutive layers) under weighted terms: forest <= LP <= the best tiled plan (brute force
+    on the exact quotient). The best untiled plan is below the tiled one and, on these random layers,
+    often below the LP bound too: the LP bounds tiled plans only (the search prices those)."""
+    rng = np.random.default_rng(seed)
+    k = [3, 2, 3]
+    times = [rng.uniform(0, 2, n) for n in k]
+    inner = {(a, b): rng.uniform(0, 2, (k[a], k[b])) for a, b in ((0, 1), (1, 2), (0, 2))}
+    nodes = [CostNode(f"l{j}.n{i}", times[i], np.zeros(k[i])) for j in range(3) for i in range(3)]
+    edges = [CostEdge(3 * j + a, 3 * j + b, mat) for j in range(3) for (a, b), mat in inner.items()]
+    boundary = rng.uniform(0, 2, (k[2], k[0]))
+    edges += [CostEdge(3 * j + 2, 3 * j + 3, boundary) for j in range(2)]
+    cg = CostGraph(nodes, edges, None, 0.0, [[[0, 1, 2], [3, 4, 5], [6, 7, 8]]])
+    w_nodes = [float(w) for w in rng.choice([0.25, 1.0, 3.0], len(nodes))]
+    w_edges = [float(w) for w in rng.choice([0.25, 1.0, 3.0], len(edges))]
+    lp = lp_lower_bound(cg, w_nodes, w_edges)
+    tiled = brute_force(quotient_layers(_weighted(cg, w_nodes, w_edges))[0]).time
+    untiled = brute_force(_weighted(cg, w_nodes, w_edges)).time
+    assert forest_lower_bound(cg, w_nodes, w_edges) <= lp * (1 + 1e-6) + 1e-9
+    assert lp <= tiled + 1e-9 and untiled <= tiled + 1e-9
+    # on a tree (no layers) the LP is exact, as the forest bound is
+    tree = _graph(rng, 6, [(i, int(rng.integers(0, i))) for i in range(1, 6)])
+    ones = [1.0] * 6, [1.0] * 5
+    assert lp_lower_bound(tree, *ones) == pytest.approx(brute_force(tree).time, rel=1e-6)

@@ -169,12 +169,19 @@ def test_pruned_search_finds_the_exhaustive_best_and_runners_up():
     top = [c for c in every.candidates if c.feasible][:3]
     assert pruned.candidates[:3] == tuple(top) and best.best == top[0]
     assert len(best.candidates) <= len(pruned.candidates) < len(every.candidates)
+    two_d = []
     for c in top + [c for c in every.candidates[3:] if c.feasible]:
         ops, step = prof.one_device_seconds(c.num_microbatches)
         cheap = step_lower_bound(ops / (c.dp * c.tp), step / (c.dp * c.tp), c.pp, c.num_microbatches, c.schedule,
                                  INTERLEAVE)
         forest = prof.forest_bound(c.num_microbatches, c.dp, c.tp, None, c.pp, c.schedule)
         assert cheap <= c.step_time * (1 + 1e-9) and forest <= c.step_time * (1 + 1e-9)
+        if min(c.dp, c.tp) > 1:   # the fast search's LP bound (2-D sub-meshes): between the forest and the step
+            f = step_lower_bound(1.0, 0.0, c.pp, c.num_microbatches, c.schedule, INTERLEAVE)
+            lp = f * prof.lp_bound(c.num_microbatches, c.dp, c.tp, None, 1 / (c.pp * f))
+            assert forest <= lp * (1 + 1e-6) and lp <= c.step_time * (1 + 1e-9)
+            two_d.append((forest, lp, c.step_time))
+    assert two_d and any(lp > forest * 1.01 for forest, lp, _ in two_d)   # the LP adds communication
 
 
 def test_profiler_graphs_and_problems_equal_a_plain_capture_and_build():

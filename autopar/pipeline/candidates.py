@@ -30,7 +30,13 @@ one-device time (roofline on local FLOPs and bytes, both >= 1/k) nor less than i
 (`search.Profiler.seconds_bound`), edges cost >= 0, and the
 schedules' step time is >= f * S + P / pp for S the per-micro-batch seconds, P the per-step seconds,
 f = 1/v + (m - 1/v) / pp (`stages.step_lower_bound`); the second bound also charges the resharding of
-a spanning forest of the cost graph (`autopar.planning.forest_bound`).
+a spanning forest of the cost graph (`autopar.planning.forest_bound`). The fast search adds a third on
+2-D sub-meshes, where the SPMD solve is a MIP: the LP relaxation of the group's layer quotient
+(`autopar.planning.lp_bound`, one LP per group, weighted for the least per-step ratio 1 / (f * pp) of
+its live candidates), a bound over tiled plans. The forest bound leaves out most communication: on
+Llama-3-70B x 64 H100s (bf16) it stayed at 0.5-0.9 of the LP bound, so it pruned none of the seven
+2-D groups whose budget-free MIPs took 22-58 CPU s each; the LP bound, 5-9 s each, was 1.13-2.2x the
+best step there, except one (1.0x) that is priced.
 """
 from __future__ import annotations
 
@@ -89,9 +95,12 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
     group's CostProblem (`Profiler.forest_bound`, which adds the communication a forest must pay).
     `incumbent`: the step time of a plan found outside `jobs` (the default search's SPMD plan): no
     candidate whose bound exceeds it is priced.
-    `fast` (the default search's "fast" mode): `price` solves no memory rows for a candidate whose
-    budget-free plan splits SKIP_MARGIN times slower than the best found or more (see `price`).
-    `stats` (a dict) receives groups, groups_priced (those where some candidate was priced) and rows_skipped."""
+    `fast` (the default search's "fast" mode): on 2-D sub-meshes a third bound, the LP relaxation of the
+    group's layer quotient (`Profiler.lp_bound`: over tiled plans, which the budget-free solve returns;
+    a memory row's full-graph fallback may not be tiled), and `price` solves no memory rows for a
+    candidate whose budget-free plan splits SKIP_MARGIN times slower than the best found or more.
+    `stats` (a dict) receives groups, groups_priced (those where some candidate was priced),
+    lp_pruned (candidates the LP bound skipped) and rows_skipped."""
     groups: dict[tuple, list[tuple]] = {}
     for pp, dp, tp, m, names in jobs:
         ops, step = prof.seconds_bound(m, dp * tp)
@@ -101,7 +110,7 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
     found: list[Candidate] = []
     fastest: list[float] = []
     cutoff = incumbent
-    priced = 0
+    priced = lp_pruned = 0
     for group in sorted(groups.values(), key=lambda g: min(g)[0]):   # stable: enumeration order on ties
         if min(group)[0] > cutoff:
             break  # every later group's least bound is larger still
@@ -109,11 +118,19 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
         # the forest needs the group's CostProblem: worth building first only where the solve is the costly
         # 2-D one (auto on a dp x tp sub-mesh); 1-D and forced-recipe groups solve by the DP in a blink
         forest = strategy is None and min(group[0][2], group[0][3]) > 1
+        ratio = None   # the LP bound's per-step weight, one per group (the least its live candidates need)
         for bound, pp, dp, tp, m, s in group:
             if bound > cutoff:
                 continue
             if forest and cutoff < float("inf") and prof.forest_bound(m, dp, tp, strategy, pp, s) > cutoff:
                 continue
+            if forest and fast and cutoff < float("inf"):
+                if ratio is None:   # later candidates are live under a lower cutoff: the least ratio still holds
+                    ratio = min(_per_step(p, mm, x) / _per_microbatch(p, mm, x) for b, p, _, _, mm, x in group
+                                if b <= cutoff)
+                if _per_microbatch(pp, m, s) * prof.lp_bound(m, dp, tp, strategy, ratio) > cutoff:
+                    lp_pruned += 1
+                    continue
             new = price(prof, pp, dp, tp, m, (s,), budget, strategy, cutoff if fast else None)
             found += new
             priced_here = True
@@ -122,9 +139,18 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
             cutoff = min(incumbent, fastest[-1] * (1 + 1e-9) if len(fastest) == keep else float("inf"))
         priced += priced_here
     if stats is not None:
-        stats.update(groups=len(groups), groups_priced=priced,
+        stats.update(groups=len(groups), groups_priced=priced, lp_pruned=lp_pruned,
                      rows_skipped=sum(c.reason.startswith(SKIPPED) for c in found))
     return found
+
+
+def _per_microbatch(pp: int, m: int, schedule: str) -> float:
+    """f of `stages.step_lower_bound`: the step's weight on the per-micro-batch seconds."""
+    return step_lower_bound(1.0, 0.0, pp, m, schedule, INTERLEAVE)
+
+
+def _per_step(pp: int, m: int, schedule: str) -> float:
+    return step_lower_bound(0.0, 1.0, pp, m, schedule, INTERLEAVE)
 
 
 def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, strategy=None,

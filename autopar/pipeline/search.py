@@ -44,6 +44,7 @@ from autopar.pipeline.stages import INTERLEAVE, SCHEDULES, LayerCost, mesh_facto
 from autopar.planning import collector, spmd
 from autopar.planning.costgraph import CostGraph, CostNode
 from autopar.planning.forest_bound import forest_lower_bound, spanning_forest
+from autopar.planning.lp_bound import lp_lower_bound
 from autopar.planning.problem import ProblemBuilder
 from autopar.planning.reshard import ReshardCost
 from autopar.planning.solver import solve
@@ -131,6 +132,7 @@ class Profiler:
         self.spec_matrices: dict[tuple, dict] = {}          # ProblemBuilder's spec-pair matrices per sub-mesh, shared
         self.weighted: dict[tuple, tuple] = {}              # (CostProblem key, weight) -> (CostProblem, CostGraph, cache)
         self.solutions: dict[tuple, object] = {}            # layers()'s key -> the solver's Solution (plans build from it)
+        self.lp_bounds: dict[tuple, float] = {}             # (CostProblem key, ratio) -> `lp_bound`
 
     def captured(self, m: int):
         if m not in self.captures:
@@ -242,10 +244,19 @@ class Profiler:
         if self.forests.get("key") != key:
             self.forests = {"key": key, "forest": spanning_forest(prob.cg)}
         v = INTERLEAVE if schedule == "interleaved_1f1b" else 1
-        f, once = 1 / v + (m - 1 / v) / pp, 1 / pp
-        nodes = [once if n.op == "placeholder" else f for n in prob.nodes]
-        edges = [once if e.kind == "grad" else f for e in prob.edges]
-        return forest_lower_bound(prob.cg, nodes, edges, self.forests["forest"])
+        return forest_lower_bound(prob.cg, *_step_weights(prob, 1 / v + (m - 1 / v) / pp, 1 / pp),
+                                  self.forests["forest"])
+
+    def lp_bound(self, m: int, dp: int, tp: int, strategy, ratio: float) -> float:
+        """min over tiled plans of the (m, dp, tp) CostProblem of (per micro-batch seconds) + ratio *
+        (per step seconds), bounded from below by the LP relaxation of its layer quotient
+        (`autopar.planning.lp_bound`; cached). For a candidate with step factor f (`stages.step_lower_bound`)
+        and pp stages, f * lp_bound(ratio) bounds its tiled plans' step whenever ratio <= 1 / (f * pp)."""
+        key = (m, *self._inner(dp, tp, strategy), ratio)
+        if key not in self.lp_bounds:
+            prob = self.problem(m, dp, tp, strategy)
+            self.lp_bounds[key] = lp_lower_bound(prob.cg, *_step_weights(prob, 1.0, ratio))
+        return self.lp_bounds[key]
 
     def one_device_seconds(self, m: int) -> tuple[float, float]:
         """(per micro-batch, per step) seconds on one device bounding every layout of m micro-batches
@@ -278,6 +289,13 @@ class Profiler:
         size and sub-mesh (the units are the model's modules)."""
         self.one_device_seconds(1)
         return self.floors[1][3]
+
+
+def _step_weights(prob, per_microbatch: float, per_step: float) -> tuple[list[float], list[float]]:
+    """Node and edge weights of `prob` pricing the step formula's terms: parameters and gradient edges
+    (paid once per step, `layer_costs`) weigh `per_step`, every other node and edge `per_microbatch`."""
+    return ([per_step if n.op == "placeholder" else per_microbatch for n in prob.nodes],
+            [per_step if e.kind == "grad" else per_microbatch for e in prob.edges])
 
 
 def search(model, example_inputs, *, mesh: Mesh, memory_budget=None, schedules=DEFAULT_SCHEDULES,
