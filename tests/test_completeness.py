@@ -9,6 +9,7 @@ on H100-priced meshes, no processes.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -27,7 +28,7 @@ def _gpt():
 def _plan(case, mesh, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return autopar.plan(case.model, case.example_inputs, mesh=mesh, baselines=False, **kw)
+        return autopar.plan(case.model, case.example_inputs, mesh=mesh, **{"baselines": False, **kw})
 
 
 def _try(case, mesh, **kw):
@@ -98,3 +99,68 @@ def test_more_devices_than_the_batch_splits_over_still_fit(two_d):
     big = _plan(case, _mesh(1024, two_d), memory_budget=budget, time_limit=5)
     assert big.mesh.size == 1024 and big.memory_per_device <= budget
     assert big.feasible and (two_d or tuple(big.mesh.shape) != (1024,)), big.mesh
+
+
+def test_a_deferred_mesh_stops_only_where_no_plan_of_it_can_beat_the_cutoff():
+    """`spmd.plan_captured(cutoff=c)` (the default search's first pass over a mesh of several axes):
+    where the fastest plan without the memory row needs more than the budget, it stops before the row's
+    solves iff that plan's time, a bound of every plan with the row or with recompute, is >= c; below
+    c it plans exactly as without a cutoff; where that plan fits, no cutoff stops it."""
+    from autopar.capture.canonicalize import canonicalize
+    from autopar.capture.trace import capture
+    from autopar.planning import spmd
+    case = _gpt()
+    captured = capture(case.model, case.example_inputs)
+    canonicalize(captured.gm)
+    mesh = autopar.Mesh((2, 4), hardware="h100", devices_per_node=4)
+
+    def plan(budget, cutoff=None):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return spmd.plan_captured(captured, case.model, case.example_inputs, mesh=mesh, memory_budget=budget,
+                                      baselines=False, cutoff=cutoff)
+    free = plan(None)
+    assert plan(free.memory_per_device * 1.01, cutoff=0.0).predicted_step_time == free.predicted_step_time
+    budget = 0.8 * free.memory_per_device   # the fastest plan no longer fits; a plan with recompute does
+    with pytest.raises(spmd.PlanCutoff) as stopped:
+        plan(budget, cutoff=0.0)
+    bound = stopped.value.bound
+    planned = plan(budget)
+    assert planned.memory_per_device <= budget and bound <= planned.predicted_step_time * (1 + 1e-9)
+    with pytest.raises(spmd.PlanCutoff):
+        plan(budget, cutoff=bound)
+    late = plan(budget, cutoff=bound * (1 + 1e-6))
+    assert (late.predicted_step_time, late.memory_per_device) == (planned.predicted_step_time, planned.memory_per_device)
+
+
+def test_the_default_search_solves_a_deferred_mesh_that_can_win(monkeypatch):
+    """Solved after the pipeline search or before it (auto.DEFER = None), the 2-D mesh whose fastest plan
+    needs more than the budget gives the same plan when it is the best (GPT 2 layers on 2 x 8 at 150 MB:
+    its bound 1.46 ms is below every pipeline found)."""
+    from autopar.pipeline import auto
+    case = _gpt()
+    late = _plan(case, _mesh(16, True), memory_budget=0.15 * GB)
+    monkeypatch.setattr(auto, "DEFER", None)
+    first = _plan(case, _mesh(16, True), memory_budget=0.15 * GB)
+    assert late.mesh.shape == first.mesh.shape == (2, 8) and late.stages == first.stages == ()
+    assert late.predicted_step_time == first.predicted_step_time and late.memory_per_device == first.memory_per_device
+
+
+def test_a_deferred_mesh_that_cannot_win_is_not_solved_and_the_table_says_so(monkeypatch):
+    """When the deferred mesh's bound is no faster than the best plan found, its memory-row solves never
+    run: the plan is another candidate's, and its table carries the mesh's bound and why (the bound is
+    inflated 100x here: small models rarely have a pipeline faster than their SPMD optimum without a row)."""
+    from autopar.inspection.summary import baseline_rows
+    from autopar.planning import spmd
+    real = spmd.budget_free
+
+    def inflated(prob, *a, **kw):
+        sol = real(prob, *a, **kw)
+        return dataclasses.replace(sol, time=sol.time * 100) if prob.mesh.ndim > 1 else sol
+    monkeypatch.setattr(spmd, "budget_free", inflated)
+    case = _gpt()
+    got = _plan(case, _mesh(16, True), memory_budget=0.15 * GB, baselines=True)
+    row = got.baselines["spmd (2, 8)"]
+    assert row["bound"] > got.predicted_step_time and not row["feasible"] and "not solved" in row["reason"]
+    assert got.mesh.shape != (2, 8) and got.memory_per_device <= 0.15 * GB
+    assert any(r[0] == "spmd (2, 8)" and r[1].startswith(">= ") for r in baseline_rows(got))

@@ -445,6 +445,9 @@ def baseline_rows(plan) -> list[list[str]]:
     rows = []
     ordered = sorted(plan.baselines.items(), key=lambda kv: (not kv[1].get("feasible"), kv[1].get("time") or 0.0))
     for name, b in ordered:
+        if b.get("bound") is not None:   # not solved: no plan of it beats the best found (auto.py's deferral)
+            rows.append([name, f">= {format_seconds(b['bound'])}", "-", b.get("reason", "")])
+            continue
         if not b.get("feasible"):
             rows.append([name, "-", format_bytes(b["memory"]) if b.get("memory") else "-",
                          f"infeasible: {b.get('reason', '')}"])

@@ -6,6 +6,10 @@ One capture of the whole batch (under the mixed-precision policy, with `example_
      axes also the SPMD plan on its 1-D flattening (the same devices, hardware and devices per node),
      so that every layout `Mesh((N,))` plans is a candidate of `Mesh((N // k, k))` too, priced with
      the same links: the 2-D plan is never slower than the 1-D one, and never infeasible where it fits.
+     A mesh of several axes is solved under its memory row (with recompute: its costly MIPs; Llama-3-70B
+     on 8 x 8 H100s, 60-100 s) only after the pipeline search, and only if its fastest plan without the
+     row, which needs more than the budget, is faster than the best plan found (`spmd.PlanCutoff`);
+     else the plan's table says so, with that bound. Where that plan fits, nothing waits.
      (The grids (N / t) x t that are neither are not priced when something fits: a plan keeps the
      caller's mesh shape; a 1-D mesh's dp x tp layouts are its solver's to find, see regrid.py.)
   2. pp >= 2: the pipeline candidates of `autopar.pipeline.search` (pp x dp x tp with tp inside a
@@ -57,6 +61,7 @@ from autopar.planning import collector, spmd
 from autopar.sharding import recipes
 
 SEARCHES = ("fast", "exact")
+DEFER = 0.0   # `spmd.plan_captured`'s cutoff for a first pass that stops wherever the memory row bites
 FAST_RATIO = 4.0   # search="fast" searches pipelines when the 1-D SPMD step exceeds this times their least bound
 
 
@@ -92,23 +97,27 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
                     policy, example_kwargs)
     prof.captures[1] = (captured, tuple(example_inputs))   # the whole batch: the bounds' graph
     pipelines = pipelines and mesh.size > 1 and recompute in (None, "auto", "none") and _splits_batch(example_inputs)
-    plans, floors, flat = [], [], None
-    for k, spmd_mesh in enumerate(_spmd_meshes(mesh)):
+    plans, floors, deferred = [], [], []
+
+    def plan_spmd(k: int, spmd_mesh: Mesh, cutoff: float | None) -> None:
         phases = PhaseTimer()
         try:
-            got = spmd.plan_captured(captured, model, example_inputs, mesh=spmd_mesh, memory_budget=memory_budget,
-                                     optimizer=optimizer, time_limit=time_limit, baselines=baselines and k == 0,
-                                     timer=phases, recompute=recompute)
-            plans.append(got)
-            flat = got if got.feasible and spmd_mesh.ndim == 1 else flat
+            plans.append(spmd.plan_captured(captured, model, example_inputs, mesh=spmd_mesh,
+                                            memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
+                                            baselines=baselines and k == 0, timer=phases, recompute=recompute,
+                                            cutoff=cutoff))
         except InfeasiblePlanError as e:
             floors.append(e)
+        except spmd.PlanCutoff as e:
+            deferred.append((k, spmd_mesh, e))
         for name, seconds in phases.items():
             if name != "total":
                 timer[name] = timer.get(name, 0.0) + seconds
-    fits = [p for p in plans if p.feasible]
-    best = min(fits, key=lambda p: p.predicted_step_time, default=None)
-    incumbent = best.predicted_step_time if best is not None else float("inf")
+
+    for k, spmd_mesh in enumerate(_spmd_meshes(mesh)):   # a 2-D mesh's memory-row solves wait (DEFER)
+        plan_spmd(k, spmd_mesh, DEFER if spmd_mesh.ndim > 1 else None)
+    flat = next((p for p in plans if p.feasible and p.mesh.ndim == 1), None)
+    incumbent = min((p.predicted_step_time for p in plans if p.feasible), default=float("inf"))
     found: list[Candidate] = []
     jobs: list[tuple] = []
     explored, walk = False, {}
@@ -127,7 +136,19 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
             log(1, f"layout search: {sum(len(j[4]) for j in jobs)} pipeline candidates, {len(found)} priced "
                    f"(incumbent {incumbent:.4g} s)")
     piped = min((c for c in found if c.feasible), key=lambda c: c.step_time, default=None)
-    if piped is not None and piped.step_time < incumbent:
+    fastest = min(incumbent, piped.step_time if piped is not None else float("inf"))
+    pruned = {}
+    for k, spmd_mesh, cut in deferred:   # solved only where its bound could beat the best found
+        if cut.bound < fastest:
+            plan_spmd(k, spmd_mesh, None)
+        else:
+            pruned[f"spmd {spmd_mesh.shape}"] = {
+                "feasible": False, "time": None, "memory": None, "bound": cut.bound,
+                "reason": f"not solved under the memory row: its fastest plan without the row ({cut.bound:.4g} s) "
+                          f"needs more memory and is no faster than the best found ({fastest:.4g} s)"}
+    plans.sort(key=lambda p: p.mesh != mesh)   # the caller's mesh first: it wins ties, solved late or not
+    best = min((p for p in plans if p.feasible), key=lambda p: p.predicted_step_time, default=None)
+    if piped is not None and piped.step_time < (best.predicted_step_time if best is not None else float("inf")):
         with timer("stages"):
             best = pipelined_plan(prof, piped, model, budget, timer)
     if best is None:   # last resort: SPMD on the other (N / k) x k grids of the same devices (`regrid`)
@@ -141,7 +162,7 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     if best is None:
         raise _infeasible(model, mesh, budget, optimizer, plans, floors, found, pipelines)
     timer["total"] = sum(v for k, v in timer.items() if k != "total")
-    table = dict(best.baselines)
+    table = {**best.baselines, **pruned}
     for p in plans:   # the caller's mesh and its flattening (the other grids stay out of the summary)
         if p is not best and p.feasible and (p.mesh == mesh or p.mesh.ndim == 1):
             table[f"spmd {p.mesh.shape}"] = {"feasible": True, "time": p.predicted_step_time,

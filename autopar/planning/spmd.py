@@ -46,9 +46,24 @@ def plan_spmd(model, example_inputs, *, mesh, strategy="auto", memory_budget=Non
                          recompute=recompute)
 
 
+class PlanCutoff(Exception):
+    """`plan_captured(cutoff=c)` stopped before its memory-row solves: no plan of the mesh is faster than
+    `bound` seconds (the time optimum without the row: a row and recompute only add time), and
+    bound >= c. `baselines`: the recipes' table, priced before the stop."""
+
+    def __init__(self, bound: float, baselines: dict):
+        super().__init__(f"no plan is faster than {bound:.4g} s")
+        self.bound, self.baselines = bound, baselines
+
+
 def plan_captured(captured, model, example_inputs, *, mesh, strategy="auto", memory_budget=None, optimizer="adamw",
-                  time_limit=None, baselines: bool = True, timer=None, recompute=None) -> Plan:
-    """The planning steps after capture (the runtime calls this with the graph it already has)."""
+                  time_limit=None, baselines: bool = True, timer=None, recompute=None,
+                  cutoff: float | None = None) -> Plan:
+    """The planning steps after capture (the runtime calls this with the graph it already has).
+    `cutoff` (seconds; strategy "auto" under a budget): when the fastest plan without the memory row
+    does not fit, and is not faster than `cutoff`, raise PlanCutoff instead of solving under the row
+    (with recompute, the costly part: Llama-3-70B on 8 x 8 H100s, 60-100 s of HiGHS). The bound is
+    over tiled layer plans, as the solver's plans are (`solver.solve`'s dedup_layers)."""
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     wanted = recipes.normalize(strategy, mesh)
@@ -63,6 +78,10 @@ def plan_captured(captured, model, example_inputs, *, mesh, strategy="auto", mem
     with timer("baselines"):      # the textbook recipes under the same cost model
         table, solutions = solve_baselines(prob, captured, mesh, time_limit) if baselines else ({}, {})
     with timer("solve"):          # the ILP over everything, warm-started from the best recipe
+        if cutoff is not None and budget is not None and all(r == "auto" for r in wanted):
+            free = budget_free(prob, time_limit)   # kept in prob.solver_cache: the solves below recall it
+            if free.memory > budget and free.time >= cutoff:
+                raise PlanCutoff(free.time, table)
         sol, reason, rc = _solve_with_recompute(prob, captured, mesh, wanted, solutions, time_limit, recompute)
     return assemble.with_recompute(assemble_plan(prob, captured, mesh, strategy, wanted, budget, sol, reason, table, timer,
                                              model, example_inputs), prob, sol.choice, rc)
@@ -143,6 +162,15 @@ def solve_baselines(prob, captured, mesh, time_limit):
     return table, solutions
 
 
+def budget_free(prob, time_limit=None, fixed=None):
+    """The fastest plan of `prob` without its memory row (the row put back after)."""
+    budget, prob.cg.memory_budget = prob.cg.memory_budget, None
+    try:
+        return _solve(prob, fixed=fixed, time_limit=time_limit)
+    finally:
+        prob.cg.memory_budget = budget
+
+
 def solve_requested(prob, captured, mesh, wanted, solutions, time_limit):
     if all(r == "auto" for r in wanted):
         best = min((s for s, _ in solutions.values()), key=lambda s: s.time, default=None)
@@ -156,10 +184,7 @@ def solve_requested(prob, captured, mesh, wanted, solutions, time_limit):
     try:
         return _solve(prob, fixed=fixed, time_limit=time_limit), ""
     except InfeasiblePlanError as e:
-        budget = prob.cg.memory_budget
-        prob.cg.memory_budget = None
-        sol = _solve(prob, fixed=fixed, time_limit=time_limit)
-        prob.cg.memory_budget = budget
+        budget, sol = prob.cg.memory_budget, budget_free(prob, time_limit, fixed)
         reason = (f"strategy {'/'.join(wanted)} needs at least {format_bytes(e.min_memory_per_device)} per device; "
                   f"the budget is {format_bytes(budget)} (over by {format_bytes(e.min_memory_per_device - budget)})")
         return sol, reason
