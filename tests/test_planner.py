@@ -146,6 +146,23 @@ def test_batch_recipes_count_the_targets_whole_and_keep_the_images_split(strateg
     assert not [c for c in plan.collectives if c.phase == "forward" and c.kind == "all_reduce"]
 
 
+@pytest.mark.parametrize("strategy", ["dp", "zero3", "tp"])
+def test_batch_recipes_build_their_share_of_the_constants(strategy):
+    """Values built from no input (SiLU backward's constant 1: `empty_permuted` then `full_like`, one
+    [batch, seq, ffn] tensor per layer) are built by each rank: under a batch recipe the solver builds the
+    rank's batch share (S0), not the whole batch on every rank (R, which priced Llama-3-70B-width x 512's
+    zero3 recipe 575 ms of its 849 ms compute); tp, which splits no batch, does not split them along it."""
+    case = models.tiny_llama(batch=4, seq=16)
+    plan = autopar.plan(case.model, case.example_inputs, mesh=autopar.Mesh((2,)), strategy=strategy,
+                        baselines=False, mixed_precision="bf16")
+    built = {k: v.outs for k, v in plan.nodes.items() if k.startswith("empty_permuted")}
+    assert len(built) == 2   # one per decoder layer
+    if strategy == "tp":   # split like the MLP's hidden features, never along the batch
+        assert (("S0",),) not in built.values(), built
+    else:
+        assert set(built.values()) == {(("S0",),)}, built
+
+
 def test_same_inputs_give_the_same_plan_byte_for_byte():
     """Two plannings of the same model (fresh captures, stamped layers, a 2-D mesh with a memory
     budget) give the same JSON once the wall-clock fields are removed."""
