@@ -283,7 +283,17 @@ def solve_recompute(prob, mode, *, fixed: dict[int, list[int]] | None, time_limi
     found = _refine(ex, sol.choice.copy()) if mode == "auto" else sol.choice.copy()
     fitting = [c for c in (found, *incumbents) if _fits(ex, c)]
     if not fitting:
-        _infeasible(ex, _least_memory(ex, efixed), ex.cg.memory_budget, ", and the re-run values of one layer on top")
+        least, budget = _least_memory(ex, efixed), ex.cg.memory_budget
+        if least <= budget:   # a bound under the budget: the solver stopped without a plan that fits, say so
+            from autopar.costmodel.memory import format_bytes
+            kept = evaluate(ex.cg, found)[1]
+            raise InfeasiblePlanError(
+                f"no plan with activation recompute was found under the memory budget of {format_bytes(budget)} per "
+                f"device: the solver stopped ({sol.status}, {sol.backend}) at a plan that keeps {format_bytes(kept)} "
+                f"plus {format_bytes(transient(ex, found))} of re-run values; no plan keeps less than "
+                f"{format_bytes(least)}, so one may fit: raise time_limit or memory_budget, or use more devices",
+                min_memory_per_device=least, budget=budget)
+        _infeasible(ex, least, budget, ", and the re-run values of one layer on top")
     return _decode(ex, prob, sol, min(fitting, key=lambda c: evaluate(ex.cg, c)[0]))
 
 
