@@ -156,7 +156,7 @@ def test_a_deferred_mesh_that_cannot_win_is_not_solved_and_the_table_says_so(mon
 
     def inflated(prob, *a, **kw):
         sol = real(prob, *a, **kw)
-        return dataclasses.replace(sol, time=sol.time * 100) if prob.mesh.ndim > 1 else sol
+        return dataclasses.replace(sol, time=sol.time * 100, lower_bound=sol.lower_bound * 100) if prob.mesh.ndim > 1 else sol
     monkeypatch.setattr(spmd, "budget_free", inflated)
     case = _gpt()
     got = _plan(case, _mesh(16, True), memory_budget=0.15 * GB, baselines=True)

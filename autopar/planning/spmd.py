@@ -48,12 +48,12 @@ def plan_spmd(model, example_inputs, *, mesh, strategy="auto", memory_budget=Non
 
 class PlanCutoff(Exception):
     """`plan_captured(cutoff=c)` stopped before its memory-row solves: no plan of the mesh is faster than
-    `bound` seconds (the time optimum without the row: a row and recompute only add time), and
-    bound >= c. `baselines`: the recipes' table, priced before the stop."""
+    `bound` seconds (the proven bound of the time optimum without the row: a row and recompute only add
+    time), and bound >= c."""
 
-    def __init__(self, bound: float, baselines: dict):
+    def __init__(self, bound: float):
         super().__init__(f"no plan is faster than {bound:.4g} s")
-        self.bound, self.baselines = bound, baselines
+        self.bound = bound
 
 
 def plan_captured(captured, model, example_inputs, *, mesh, strategy="auto", memory_budget=None, optimizer="adamw",
@@ -80,8 +80,8 @@ def plan_captured(captured, model, example_inputs, *, mesh, strategy="auto", mem
     with timer("solve"):          # the ILP over everything, warm-started from the best recipe
         if cutoff is not None and budget is not None and all(r == "auto" for r in wanted):
             free = budget_free(prob, time_limit)   # kept in prob.solver_cache: the solves below recall it
-            if free.memory > budget and free.time >= cutoff:
-                raise PlanCutoff(free.time, table)
+            if free.memory > budget and free.lower_bound >= cutoff:   # a bound, not the plan: a limit may stop it
+                raise PlanCutoff(free.lower_bound)
         sol, reason, rc = _solve_with_recompute(prob, captured, mesh, wanted, solutions, time_limit, recompute)
     return assemble.with_recompute(assemble_plan(prob, captured, mesh, strategy, wanted, budget, sol, reason, table, timer,
                                              model, example_inputs), prob, sol.choice, rc)
