@@ -11,6 +11,7 @@ from autopar.errors import InfeasiblePlanError
 from autopar.pipeline.stages import (
     LayerCost,
     bubble_fraction,
+    chunk_in_flight,
     in_flight,
     mesh_factorizations,
     partition,
@@ -191,3 +192,50 @@ def test_mesh_factorizations_keep_tp_in_a_node():
     assert all(pp * dp * tp == 16 and 4 % tp == 0 for pp, dp, tp in got)
     assert (1, 1, 16) not in got and (1, 4, 4) in got and (16, 1, 1) in got
     assert len(mesh_factorizations(8, None)) == 10
+
+
+def _interleaved_brute_force(layers, p, m, v, p2p, budget):
+    """Every contiguous split into p * v chunks, priced by the module docstring's device formula:
+    step = sum_j t_j / v + (m - 1/v) max_d D_d, device d holding chunks d, d + p, ... (memory: their sum)."""
+    n, best = len(layers), None
+    for cuts in itertools.combinations(range(1, n), p * v - 1):
+        bounds, ends = (0, *cuts), (*cuts, n)
+        t, mem = [], [0.0] * p
+        for k, (a, b) in enumerate(zip(bounds, ends)):
+            seg = layers[a:b]
+            t.append(sum(x.forward + x.backward for x in seg) + (p2p(layers[b - 1].boundary_bytes) if b < n else 0)
+                     + (p2p(layers[a - 1].boundary_bytes) if a else 0))
+            mem[k % p] += sum(x.state_bytes for x in seg) + chunk_in_flight(
+                "interleaved_1f1b", p, m, k, v) * sum(x.activation_bytes for x in seg)
+        if budget is None or max(mem) <= budget:
+            step = sum(t) / v + (m - 1 / v) * max(sum(t[d::p]) for d in range(p))
+            best = step if best is None else min(best, step)
+    return best
+
+
+def test_interleaved_split_fits_and_is_near_the_exhaustive_optimum():
+    """Interleaved 1F1B's split is not proven optimal (a device's chunks are not contiguous), but on
+    random models it fits every device, is the exhaustive optimum on most and close on the rest:
+    the surrogate search alone (one even budget share, the least-sum split per bottleneck) was exact
+    on 15 of 57 of these, 5.3% over on average, up to 26%; with the round shares and the boundary moves,
+    35 of 60, 1.9%, 17% (and fewer feasible models called infeasible: 7 against 10)."""
+    rng = random.Random(11)
+    p2p = lambda nbytes: 0.3 * nbytes  # noqa: E731
+    ratios = []
+    for _ in range(120):
+        n, p, v = rng.randint(5, 10), rng.randint(2, 3), 2
+        m = p * rng.randint(1, 3)
+        if p * v > n:
+            continue
+        layers = _random_layers(rng, n)
+        budget = rng.choice([None, rng.uniform(20, 60)])
+        best = _interleaved_brute_force(layers, p, m, v, p2p, budget)
+        try:
+            got = partition(layers, p, m, "interleaved_1f1b", p2p_time=p2p, memory_budget=budget, v=v)
+        except InfeasiblePlanError:
+            continue
+        assert best is not None and got.step_time >= best * (1 - 1e-9)   # a real split: never below the optimum
+        assert budget is None or max(got.stage_memory) <= budget * (1 + 1e-12)
+        ratios.append(got.step_time / best)
+    assert len(ratios) >= 50
+    assert sum(r < 1 + 1e-9 for r in ratios) >= len(ratios) / 2 and sum(ratios) / len(ratios) < 1.03
