@@ -40,7 +40,7 @@ from autopar.mesh import Mesh
 from autopar.pipeline import planning as pipelined
 from autopar.pipeline.candidates import Candidate, branch_and_bound, price
 from autopar.pipeline.layer_profile import layer_costs, unit_names
-from autopar.pipeline.stages import INTERLEAVE, SCHEDULES, LayerCost, mesh_factorizations
+from autopar.pipeline.stages import INTERLEAVE, SCHEDULES, LayerCost, mesh_factorizations, step_lower_bound
 from autopar.planning import collector, spmd
 from autopar.planning.costgraph import CostGraph, CostNode
 from autopar.planning.forest_bound import forest_lower_bound, spanning_forest
@@ -243,9 +243,8 @@ class Profiler:
         key = (m, *self._inner(dp, tp, strategy))
         if self.forests.get("key") != key:
             self.forests = {"key": key, "forest": spanning_forest(prob.cg)}
-        v = INTERLEAVE if schedule == "interleaved_1f1b" else 1
-        return forest_lower_bound(prob.cg, *_step_weights(prob, 1 / v + (m - 1 / v) / pp, 1 / pp),
-                                  self.forests["forest"])
+        f, once = (step_lower_bound(*unit, pp, m, schedule, INTERLEAVE) for unit in ((1.0, 0.0), (0.0, 1.0)))
+        return forest_lower_bound(prob.cg, *_step_weights(prob, f, once), self.forests["forest"])
 
     def lp_bound(self, m: int, dp: int, tp: int, strategy, ratio: float) -> float:
         """min over tiled plans of the (m, dp, tp) CostProblem of (per micro-batch seconds) + ratio *

@@ -183,9 +183,7 @@ def _integral_relaxation(m: _Model, p: SolverProblem) -> tuple[dict[int, int], s
     HiGHS's MIP machinery: presolve, root cuts and heuristics cost 2-15x the LP on these models even
     when the LP is already integral, as it is without a memory row (the marginal polytope of these
     tree-like graphs) and often with one. None (integrality restored) when some x is fractional."""
-    xs = [x for d in m.x.values() for x in d.values()]
-    for x in xs:
-        x.SetInteger(False)
+    _set_integer(m, False)
     try:
         status = m.solver.Solve()
         if status != pywraplp.Solver.OPTIMAL:
@@ -196,8 +194,14 @@ def _integral_relaxation(m: _Model, p: SolverProblem) -> tuple[dict[int, int], s
         choice = {i: max(d, key=d.__getitem__) for i, d in values.items()}
         return choice, "optimal", m.solver.Objective().Value() + p.time_offset
     finally:
-        for x in xs:
-            x.SetInteger(True)
+        _set_integer(m, True)
+
+
+def _set_integer(m: _Model, integer: bool) -> None:
+    """Make every x[i,s] binary again, or continuous (the LP relaxation; the e stay continuous)."""
+    for d in m.x.values():
+        for x in d.values():
+            x.SetInteger(integer)
 
 
 def relaxation_bound(p: SolverProblem) -> float:
@@ -217,9 +221,7 @@ def relaxation_bound(p: SolverProblem) -> float:
     m = build_model(scaled, "highs")
     m.solver.SetNumThreads(1)
     m.solver.SetSolverSpecificParametersAsString(_HIGHS_PARAMS + _LP_TOLERANCES)
-    for d in m.x.values():
-        for x in d.values():
-            x.SetInteger(False)
+    _set_integer(m, False)
     if m.solver.Solve() != pywraplp.Solver.OPTIMAL:
         return -math.inf
     return m.solver.Objective().Value() / k + p.time_offset

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch.fx as fx
 
+from autopar.costmodel.memory import format_bytes
 from autopar.errors import InfeasiblePlanError, InputError
 from autopar.graph import MASK, PHASE, is_getitem, is_random, layer_of, nbytes_of, node_path, reads_in_backward, val_of
 from autopar.placement import local_fraction
@@ -285,7 +286,6 @@ def solve_recompute(prob, mode, *, fixed: dict[int, list[int]] | None, time_limi
     if not fitting:
         least, budget = _least_memory(ex, efixed), ex.cg.memory_budget
         if least <= budget:   # a bound under the budget: the solver stopped without a plan that fits, say so
-            from autopar.costmodel.memory import format_bytes
             kept = evaluate(ex.cg, found)[1]
             raise InfeasiblePlanError(
                 f"no plan with activation recompute was found under the memory budget of {format_bytes(budget)} per "
@@ -338,7 +338,6 @@ def _least_memory(ex: Expanded, efixed: dict[int, list[int]]) -> float:
 
 
 def _infeasible(ex: Expanded, least: float, budget: float | None, extra: str):
-    from autopar.costmodel.memory import format_bytes
     raise InfeasiblePlanError(
         f"no plan fits the memory budget of {format_bytes(budget)} per device, even with activation recompute "
         f"(every layer but the last of each stack{extra}): the smallest plan needs {format_bytes(least)} "
