@@ -46,8 +46,9 @@ def plan(model: nn.Module, example_inputs, *, mesh: Mesh | tuple, strategy: Stra
     `recompute`: None/"auto" (layers recompute only when no plan fits the budget otherwise), "none",
     "all", or a list of layer paths ("transformer.h.0"); see `autopar.planning.recompute`.
     `num_stages="auto"` (the default, with strategy "auto") searches the layout: the SPMD plan on `mesh`
-    (and on its 1-D flattening) and pipeline x data x tensor layouts of the same devices that could
-    beat it (`autopar.pipeline.auto`); the plan's mesh is the layout chosen ("pp" first when pipelined).
+    and on the other shapes of its devices (one axis; dp x tp grids, tp inside a node), and pipeline x
+    data x tensor layouts of the same devices that could beat them (`autopar.pipeline.auto`); the plan's
+    mesh is the layout chosen ("pp" first when pipelined).
     `num_stages=p` (or a mesh whose first axis is "pp") forces a pipeline of p stages, run with
     `schedule` ("gpipe", "1f1b", "interleaved_1f1b" with `virtual_stages` chunks per device) over
     `num_microbatches`; `num_stages=None` or 1 plans without stages on `mesh` as given.

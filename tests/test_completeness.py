@@ -162,5 +162,5 @@ def test_a_deferred_mesh_that_cannot_win_is_not_solved_and_the_table_says_so(mon
     got = _plan(case, _mesh(16, True), memory_budget=0.15 * GB, baselines=True)
     row = got.baselines["spmd (2, 8)"]
     assert row["bound"] > got.predicted_step_time and not row["feasible"] and "not solved" in row["reason"]
-    assert got.mesh.shape != (2, 8) and got.memory_per_device <= 0.15 * GB
+    assert (got.stages or got.mesh.shape != (2, 8)) and got.memory_per_device <= 0.15 * GB   # not the SPMD (2, 8)
     assert any(r[0] == "spmd (2, 8)" and r[1].startswith(">= ") for r in baseline_rows(got))

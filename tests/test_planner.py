@@ -28,7 +28,9 @@ def gpt2_plan():
 
 def test_gpt2_auto_beats_every_recipe(gpt2_plan):
     p = gpt2_plan
-    assert set(p.baselines) == {"dp", "zero1", "zero2", "zero3", "tp"}
+    # the recipes on the caller's mesh, then the SPMD plans of the devices' other shapes (`pipeline.auto`)
+    assert {"dp", "zero1", "zero2", "zero3", "tp"} <= set(p.baselines) <= {"dp", "zero1", "zero2", "zero3", "tp",
+                                                                         "spmd (8,)", "spmd (4, 2)", "spmd (2, 4)"}
     for name, b in p.baselines.items():
         assert b["feasible"], name
         assert p.predicted_step_time <= b["time"] * (1 + 1e-9), name

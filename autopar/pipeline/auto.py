@@ -2,16 +2,18 @@
 
 One capture of the whole batch (under the mixed-precision policy, with `example_kwargs`), then:
   1. pp = 1: the SPMD plan on the caller's mesh, exactly `autopar.planning.spmd.plan_captured`
-     (recompute decided by the solver, the textbook recipes as its baselines); on a mesh of several
-     axes also the SPMD plan on its 1-D flattening (the same devices, hardware and devices per node),
-     so that every layout `Mesh((N,))` plans is a candidate of `Mesh((N // k, k))` too, priced with
-     the same links: the 2-D plan is never slower than the 1-D one, and never infeasible where it fits.
-     A mesh of several axes is solved under its memory row (with recompute: its costly MIPs; Llama-3-70B
-     on 8 x 8 H100s, 60-100 s) only after the pipeline search, and only if its fastest plan without the
-     row, which needs more than the budget, is faster than the best plan found (`spmd.PlanCutoff`);
-     else the plan's table says so, with that bound. Where that plan fits, nothing waits.
-     (The grids (N / t) x t that are neither are not priced when something fits: a plan keeps the
-     caller's mesh shape; a 1-D mesh's dp x tp layouts are its solver's to find, see regrid.py.)
+     (recompute decided by the solver, the textbook recipes as its baselines); then the SPMD plans on
+     the other shapes of the same devices (hardware and devices per node): the 1-D flattening and the
+     grids (N / t) x t with t > 1 dividing a node (data x tensor parallel, tp inside a node: the
+     pipeline search's pp = 1 sub-meshes). Every shape of N devices prices the same set, so
+     `Mesh((N,))` and `Mesh((N // k, k))` plan the same layouts (the caller's shape wins ties): a
+     one-node `Mesh((8,))` plans dp 4 x tp 2 too, which one axis cannot express (GPT-2 1.5B on 8 H100s
+     in bf16 under 20 GB: 74.8 ms on 4 x 2 against 82.3 ms on 8). `num_stages=None` plans on the
+     caller's mesh as given. A mesh of several axes is solved under its memory row (with recompute:
+     its costly MIPs; Llama-3-70B on 8 x 8 H100s, 60-100 s) only after the pipeline search, and only
+     if its fastest plan without the row, which needs more than the budget, is faster than the best
+     plan found (`spmd.PlanCutoff`); else the plan's table says so, with that bound. Where that plan
+     fits, nothing waits.
   2. pp >= 2: the pipeline candidates of `autopar.pipeline.search` (pp x dp x tp with tp inside a
      node, micro-batch counts, the runtime's schedules), by branch and bound with the fastest SPMD
      plan's step as the incumbent: a candidate is priced (its micro-batch graph captured, its stage
@@ -22,14 +24,14 @@ One capture of the whole batch (under the mixed-precision policy, with `example_
      devices as one axis does not fit, or its step exceeds FAST_RATIO times the least lower bound of a
      pipeline's step (SPMD is far from the work's own time: a pipeline may win by a wide margin). The
      rule reads the 1-D plan and the device count only, so Mesh((N,)) and Mesh((N // k, k)) search
-     the same pipelines, and the same inputs give the same plan; search="exact" always searches them.
+     the same pipelines; search="exact" always searches them.
      The fast search also solves no memory rows for a candidate whose budget-free plan, split without a
      budget, is 1.05x the best step found or slower (`candidates.price`'s cutoff: a heuristic; those
      MIPs were nearly all of a large model's search time). `plan.solver["search"]` says which ran,
      and how many rows it skipped.
   3. Only when nothing above fits: SPMD on every other 2-D grid (N / k) x k of the same devices
-     (`autopar.pipeline.regrid`), so that feasibility never falls as devices are added (a batch of 64
-     that 64 devices run as a pipeline runs on 1,024 as 64 x 16).
+     (`autopar.pipeline.regrid`: k beyond a node too), so that feasibility never falls as devices are
+     added (a batch of 64 that 64 devices run as a pipeline runs on 1,024 as 64 x 16).
   4. The fastest feasible candidate is the plan. A pipelined one is built from the very solution the
      search priced (`Profiler.solution`, `stages.partition`'s split): its predicted step and memory
      are the search's.
@@ -126,9 +128,13 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
         with timer("search"):   # the bounds' one-device problem of the whole batch (unit count included)
             jobs = candidate_jobs(prof, mesh, batch_size(example_inputs), schedules, num_microbatches,
                                   list(range(2, mesh.size + 1)), accumulate=False)
-            explored = search == "exact" or flat is None or flat.predicted_step_time > FAST_RATIO * min(
-                (step_lower_bound(*prof.seconds_bound(m, dp * tp), pp, m, s, INTERLEAVE)
-                 for pp, dp, tp, m, names in jobs for s in names), default=float("inf"))
+            least = min((step_lower_bound(*prof.seconds_bound(m, dp * tp), pp, m, s, INTERLEAVE)
+                         for pp, dp, tp, m, names in jobs for s in names), default=float("inf"))
+            if flat is not None:
+                log(1, f"fast rule: the 1-D SPMD plan {flat.predicted_step_time:.4g} s = "
+                       f"{flat.predicted_step_time / least:.3g} x the least pipeline bound {least:.4g} s "
+                       f"(FAST_RATIO {FAST_RATIO}; the best SPMD plan {incumbent / least:.3g} x)")
+            explored = search == "exact" or flat is None or flat.predicted_step_time > FAST_RATIO * least
         if explored:
             with timer("search"):
                 found = branch_and_bound(prof, jobs, budget, None, keep=1, incumbent=incumbent,
@@ -137,7 +143,7 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
                    f"(incumbent {incumbent:.4g} s)")
     piped = min((c for c in found if c.feasible), key=lambda c: c.step_time, default=None)
     fastest = min(incumbent, piped.step_time if piped is not None else float("inf"))
-    pruned = {}
+    pruned, more = {}, []
     for k, spmd_mesh, cut in deferred:   # solved only where its bound could beat the best found
         if cut.bound < fastest:
             plan_spmd(k, spmd_mesh, None)
@@ -154,6 +160,7 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     if best is None:   # last resort: SPMD on the other (N / k) x k grids of the same devices (`regrid`)
         with timer("regrid"):
             more, failed = regrid.plan_regridded(captured, model, example_inputs, mesh, _batch(example_inputs),
+                                                 skip=[tuple(m.shape) for m in _spmd_meshes(mesh)],
                                                  memory_budget=memory_budget,
                                                  optimizer=optimizer, time_limit=time_limit, baselines=False,
                                                  recompute=recompute)
@@ -162,9 +169,10 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     if best is None:
         raise _infeasible(model, mesh, budget, optimizer, plans, floors, found, pipelines)
     timer["total"] = sum(v for k, v in timer.items() if k != "total")
-    table = {**best.baselines, **pruned}
-    for p in plans:   # the caller's mesh and its flattening (the other grids stay out of the summary)
-        if p is not best and p.feasible and (p.mesh == mesh or p.mesh.ndim == 1):
+    # the recipes priced on the caller's mesh (k = 0), whichever shape won
+    table = {**next((p.baselines for p in plans if p.mesh == mesh), best.baselines), **pruned}
+    for p in plans:   # the other shapes of the devices (regrid's last-resort grids stay out of the summary)
+        if p is not best and p.feasible and all(p is not q for q in more):
             table[f"spmd {p.mesh.shape}"] = {"feasible": True, "time": p.predicted_step_time,
                                               "memory": p.memory_per_device, "reason": ""}
     runner_up = piped if best.stages == () else min(
@@ -193,10 +201,15 @@ def pipelined_plan(prof: Profiler, best: Candidate, model, budget, timer) -> Pla
 
 
 def _spmd_meshes(mesh: Mesh) -> list[Mesh]:
-    """The caller's mesh, then (several axes) its 1-D flattening: the same devices and links."""
-    if mesh.ndim == 1:
-        return [mesh]
-    return [mesh, Mesh((mesh.size,), hardware=mesh.hardware, devices_per_node=mesh.devices_per_node)]
+    """The caller's mesh, then its 1-D flattening and the grids (N / t) x t, t > 1 dividing a node (data x
+    tensor parallel with tp inside a node: the pipeline search's pp = 1 sub-meshes), each once: the same
+    devices and links, and the same set whatever the caller's shape of them."""
+    n, dpn = mesh.size, mesh.devices_per_node
+    out = [mesh]
+    for shape in [(n,)] + [(n // t, t) for t in range(2, dpn + 1) if dpn % t == 0 and n % t == 0 and n // t > 1]:
+        if all(tuple(m.shape) != shape for m in out):
+            out.append(Mesh(shape, ("dp", "tp")[-len(shape):] if len(shape) > 1 else None, mesh.hardware, dpn))
+    return out
 
 
 def _batch(example_inputs) -> int | None:
