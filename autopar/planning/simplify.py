@@ -284,8 +284,11 @@ def _take(m: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
 
 def _dominated(p: SolverProblem, v: int, keep: dict[int, np.ndarray], use_memory: bool) -> np.ndarray:
     """Mask over keep[v]: strategy b is dropped when some a has time, memory (if it counts) and every
-    incident edge row <= b's; of equal strategies the first is kept. Swapping b for a in any plan
-    then never costs more, so an optimum survives (iterating is exact for the same reason)."""
+    incident edge row <= b's; of equal strategies the one of least memory is kept (then the first).
+    Swapping b for a in any plan then never costs more, so an optimum survives (iterating is exact
+    for the same reason). The memory tie-break makes a budget-free optimum one that the same graph
+    under a memory row keeps too (there memory counts, and a tie of more memory is dominated), so
+    `solver._Memo` recalls it instead of solving the time optimum again."""
     k = keep[v]
     cols = [p.time[v][k][:, None]]
     if use_memory:
@@ -296,7 +299,8 @@ def _dominated(p: SolverProblem, v: int, keep: dict[int, np.ndarray], use_memory
     for start in range(0, f.shape[1], 256):    # chunks bound the (k, k, chunk) temporary
         blk = f[:, start:start + 256]
         le &= (blk[:, None, :] <= blk[None, :, :]).all(axis=2)
-    first = np.arange(len(k))[:, None] < np.arange(len(k))[None, :]
+    mem, idx = p.memory[v][k], np.arange(len(k))
+    first = (mem[:, None] < mem[None, :]) | ((mem[:, None] == mem[None, :]) & (idx[:, None] < idx[None, :]))
     beats = le & (~le.T | first)                 # a strictly better, or equal and earlier
     np.fill_diagonal(beats, False)
     return beats.any(axis=0)
