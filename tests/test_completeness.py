@@ -121,7 +121,7 @@ def test_a_deferred_mesh_stops_only_where_no_plan_of_it_can_beat_the_cutoff():
                                       baselines=False, cutoff=cutoff)
     free = plan(None)
     assert plan(free.memory_per_device * 1.01, cutoff=0.0).predicted_step_time == free.predicted_step_time
-    budget = 0.8 * free.memory_per_device   # the fastest plan no longer fits; a plan with recompute does
+    budget = 0.85 * free.memory_per_device   # the fastest plan no longer fits; a plan with recompute does (>= 231 MB)
     with pytest.raises(spmd.PlanCutoff) as stopped:
         plan(budget, cutoff=0.0)
     bound = stopped.value.bound

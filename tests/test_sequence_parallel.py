@@ -236,7 +236,7 @@ def _layer_norms(plan) -> dict[str, tuple]:
 @pytest.fixture(scope="module")
 def budget_plans():
     """The same bf16 GPT (fused Megatron QKV, dropout 0.1; SGD so that activations weigh) on 4 devices,
-    planned without a budget and with 93% of the memory that plan takes, on the mesh as given (num_stages=None:
+    planned without a budget and with 95% of the memory that plan takes, on the mesh as given (num_stages=None:
     the default search would also price the 2 x 2 grid of the same devices)."""
     model, inputs = meta_megatron_gpt(hidden=2048, heads=16, seq=512, batch=1)
     mesh = autopar.Mesh((T,), axis_names=("tp",), hardware="a100")
@@ -244,7 +244,7 @@ def budget_plans():
         warnings.simplefilter("ignore")
         free = autopar.plan(model, inputs, mesh=mesh, optimizer="sgd", baselines=False, num_stages=None)
         tight = autopar.plan(model, inputs, mesh=mesh, optimizer="sgd", baselines=False, num_stages=None,
-                             memory_budget=0.93 * free.memory_per_device)
+                             memory_budget=0.95 * free.memory_per_device)
     return free, tight
 
 
