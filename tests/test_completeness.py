@@ -164,3 +164,33 @@ def test_a_deferred_mesh_that_cannot_win_is_not_solved_and_the_table_says_so(mon
     assert row["bound"] > got.predicted_step_time and not row["feasible"] and "not solved" in row["reason"]
     assert (got.stages or got.mesh.shape != (2, 8)) and got.memory_per_device <= 0.15 * GB   # not the SPMD (2, 8)
     assert any(r[0] == "spmd (2, 8)" and r[1].startswith(">= ") for r in baseline_rows(got))
+
+
+def test_a_one_axis_caller_plans_every_shape_of_its_devices():
+    """The default search prices the SPMD plan on the grids (N / t) x t of the devices too, not only the
+    caller's shape: a 4-device MLP on `Mesh((4,))` plans as 2 x 2 where the cost model prices that faster
+    (the same column/row split, its collectives per axis), and `num_stages=None` keeps the mesh as given."""
+    case = models.meta_mlp(128, 1024)
+    mesh = autopar.Mesh((4,), hardware="a100")
+    auto, given = _plan(case, mesh, baselines=True), _plan(case, mesh, num_stages=None)
+    assert given.mesh.shape == (4,) and auto.stages == ()
+    assert auto.predicted_step_time <= given.predicted_step_time * (1 + 1e-9)
+    assert auto.mesh.shape == (2, 2) and auto.predicted_step_time < given.predicted_step_time
+    assert auto.baselines["spmd (4,)"]["time"] == pytest.approx(given.predicted_step_time)
+    assert {"dp", "tp", "zero1", "zero2", "zero3"} <= set(auto.baselines)   # the recipes on the caller's mesh
+
+
+def test_the_fast_search_prices_pipelines_where_one_axis_needs_recompute():
+    """search="fast" searches pipelines when the 1-D SPMD plan fits only with activation recompute (a
+    stage holds 1 / pp of the layers), though its step is within FAST_RATIO of the pipeline bound: a
+    6-layer GPT on 8 H100s under 85% of its budget-free memory recomputes 3 layers on one axis."""
+    case = models.meta_gpt(n_layer=6, n_embd=128, n_head=4, batch=64, seq=128)
+    mesh = autopar.Mesh((8,), hardware="h100", devices_per_node=8)
+    free = _plan(case, mesh)   # without a budget the ratio rule prices no pipeline (1-D step 1.34x their bound)
+    assert not free.solver["search"]["pipelines_searched"] and free.stages == ()
+    budget = 0.85 * free.memory_per_device
+    one_axis = _plan(case, mesh, num_stages=None, memory_budget=budget)
+    assert one_axis.recompute
+    got = _plan(case, mesh, memory_budget=budget)
+    assert got.solver["search"]["pipelines_searched"] and got.solver["search"]["priced"] > 0
+    assert got.predicted_step_time <= one_axis.predicted_step_time and got.memory_per_device <= budget

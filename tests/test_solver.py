@@ -229,6 +229,23 @@ def test_compact_drops_dominated_strategies_exactly(quantile):
         assert solve(worse).time == pytest.approx(ref.time, abs=1e-9)
 
 
+
+def test_compact_keeps_the_least_memory_of_equal_strategies_without_a_budget():
+    """Without a memory row, of strategies equal in time and every edge `compact` keeps the one of least
+    memory: the budget-free optimum is then one the same graph under a row keeps too (the solver's memo
+    recalls it instead of solving the time optimum twice, `solver._Memo`)."""
+    from autopar.planning.simplify import compact
+    cg = CostGraph([CostNode("a", np.array([1.0, 1.0, 1.0]), np.array([30.0, 10.0, 20.0])),
+                    CostNode("b", np.array([2.0, 2.0]), np.array([5.0, 5.0]))],
+                   [CostEdge(0, 1, np.zeros((3, 2)))], None, 0.0)
+    _, keep = compact(from_costgraph(cg))
+    assert keep[0].tolist() == [1] and keep[1].tolist() == [0]   # least memory; of equal memory, the first
+    solved = solve(cg)
+    assert (solved.time, solved.memory) == (3.0, 15.0)
+    budgeted = solve(CostGraph(cg.nodes, cg.edges, 100.0, 0.0), cache=(cache := {}))
+    free = solve(cg, cache=cache)
+    assert budgeted.choice.tolist() == free.choice.tolist() == [1, 0]
+
 def _same(a, b) -> bool:
     return a.choice.tobytes() == b.choice.tobytes() and (a.time, a.memory, a.lower_bound, a.status, a.backend,
                                                           a.stats) == (b.time, b.memory, b.lower_bound, b.status,
