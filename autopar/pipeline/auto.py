@@ -119,7 +119,8 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
             if name != "total":
                 timer[name] = timer.get(name, 0.0) + seconds
 
-    for k, spmd_mesh in enumerate(_spmd_meshes(mesh)):   # a 2-D mesh's memory-row solves wait (DEFER)
+    shapes = _spmd_meshes(mesh)
+    for k, spmd_mesh in enumerate(shapes):   # a 2-D mesh's memory-row solves wait (DEFER)
         plan_spmd(k, spmd_mesh, DEFER if spmd_mesh.ndim > 1 else None)
     flat = next((p for p in plans if p.feasible and p.mesh.ndim == 1), None)
     incumbent = min((p.predicted_step_time for p in plans if p.feasible), default=float("inf"))
@@ -164,7 +165,7 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     if best is None:   # last resort: SPMD on the other (N / k) x k grids of the same devices (`regrid`)
         with timer("regrid"):
             more, failed = regrid.plan_regridded(captured, model, example_inputs, mesh, _batch(example_inputs),
-                                                 skip=[tuple(m.shape) for m in _spmd_meshes(mesh)],
+                                                 skip=[tuple(m.shape) for m in shapes],
                                                  memory_budget=memory_budget,
                                                  optimizer=optimizer, time_limit=time_limit, baselines=False,
                                                  recompute=recompute)
@@ -212,7 +213,7 @@ def _spmd_meshes(mesh: Mesh) -> list[Mesh]:
     out = [mesh]
     for shape in [(n,)] + [(n // t, t) for t in range(2, dpn + 1) if dpn % t == 0 and n % t == 0 and n // t > 1]:
         if all(tuple(m.shape) != shape for m in out):
-            out.append(Mesh(shape, ("dp", "tp")[-len(shape):] if len(shape) > 1 else None, mesh.hardware, dpn))
+            out.append(Mesh(shape, ("dp", "tp") if len(shape) == 2 else None, mesh.hardware, dpn))
     return out
 
 

@@ -300,8 +300,8 @@ def _dominated(p: SolverProblem, v: int, keep: dict[int, np.ndarray], use_memory
         blk = f[:, start:start + 256]
         le &= (blk[:, None, :] <= blk[None, :, :]).all(axis=2)
     mem, idx = p.memory[v][k], np.arange(len(k))
-    first = (mem[:, None] < mem[None, :]) | ((mem[:, None] == mem[None, :]) & (idx[:, None] < idx[None, :]))
-    beats = le & (~le.T | first)                 # a strictly better, or equal and earlier
+    preferred = (mem[:, None] < mem[None, :]) | ((mem[:, None] == mem[None, :]) & (idx[:, None] < idx[None, :]))
+    beats = le & (~le.T | preferred)             # a strictly better, or equal and of less memory / earlier
     np.fill_diagonal(beats, False)
     return beats.any(axis=0)
 
