@@ -33,7 +33,9 @@ class PhaseTimer(dict):
         start = time.perf_counter()
         log(2, f"{name} ...")
         progress(f"{name} ...", end="")
-        yield
-        self[name] = self.get(name, 0.0) + time.perf_counter() - start
-        progress(f"{name}: {self[name]:.1f} s")
-        log(1, f"{name}: {self[name]:.2f} s")
+        try:
+            yield
+        finally:   # a phase that raises (a cutoff, an infeasible solve) took its time too
+            self[name] = self.get(name, 0.0) + time.perf_counter() - start
+            progress(f"{name}: {self[name]:.1f} s")
+            log(1, f"{name}: {self[name]:.2f} s")

@@ -135,15 +135,28 @@ def test_a_deferred_mesh_stops_only_where_no_plan_of_it_can_beat_the_cutoff():
 
 def test_the_default_search_solves_a_deferred_mesh_that_can_win(monkeypatch):
     """Solved after the pipeline search or before it (auto.DEFER = None), the 2-D mesh whose fastest plan
-    needs more than the budget gives the same plan when it is the best (GPT 2 layers on 2 x 8 at 150 MB:
-    its bound 1.46 ms is below every pipeline found)."""
+    needs more than the budget gives the same plan and recipes when it is the best (GPT 2 layers on 2 x 8
+    at 150 MB: its bound 1.46 ms is below every pipeline found). Solved late, it goes on from where its
+    cutoff stopped: its CostProblem is built and its recipes solved once (Llama-3-70B on 64 x 8 H100s:
+    22 CPU s of recipes and a 1 s build saved)."""
     from autopar.pipeline import auto
+    from autopar.planning import spmd
     case = _gpt()
-    late = _plan(case, _mesh(16, True), memory_budget=0.15 * GB)
+    calls = []
+    real = spmd.solve_baselines
+
+    def counted(prob, captured, mesh, time_limit):
+        calls.append(tuple(mesh.shape))
+        return real(prob, captured, mesh, time_limit)
+    monkeypatch.setattr(spmd, "solve_baselines", counted)
+    late = _plan(case, _mesh(16, True), memory_budget=0.15 * GB, baselines=True)
+    assert calls == [(2, 8)]   # the caller's mesh: cut, then resumed
     monkeypatch.setattr(auto, "DEFER", None)
-    first = _plan(case, _mesh(16, True), memory_budget=0.15 * GB)
+    first = _plan(case, _mesh(16, True), memory_budget=0.15 * GB, baselines=True)
     assert late.mesh.shape == first.mesh.shape == (2, 8) and late.stages == first.stages == ()
     assert late.predicted_step_time == first.predicted_step_time and late.memory_per_device == first.memory_per_device
+    recipes = ("dp", "zero1", "zero2", "zero3", "tp")
+    assert {r: late.baselines[r] for r in recipes} == {r: first.baselines[r] for r in recipes}
 
 
 def test_a_deferred_mesh_that_cannot_win_is_not_solved_and_the_table_says_so(monkeypatch):
@@ -164,6 +177,7 @@ def test_a_deferred_mesh_that_cannot_win_is_not_solved_and_the_table_says_so(mon
     assert row["bound"] > got.predicted_step_time and not row["feasible"] and "not solved" in row["reason"]
     assert (got.stages or got.mesh.shape != (2, 8)) and got.memory_per_device <= 0.15 * GB   # not the SPMD (2, 8)
     assert any(r[0] == "spmd (2, 8)" and r[1].startswith(">= ") for r in baseline_rows(got))
+    assert {"dp", "zero1", "zero2", "zero3", "tp"} <= set(got.baselines)   # the caller's recipes, priced before the cut
 
 
 def test_a_one_axis_caller_plans_every_shape_of_its_devices():

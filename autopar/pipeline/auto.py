@@ -104,13 +104,15 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     pipelines = pipelines and mesh.size > 1 and recompute in (None, "auto", "none") and _splits_batch(example_inputs)
     plans, floors, deferred = [], [], []
 
-    def plan_spmd(k: int, spmd_mesh: Mesh, cutoff: float | None) -> None:
-        phases = PhaseTimer()
+    def plan_spmd(k: int, spmd_mesh: Mesh, cutoff: float | None, resume: spmd.PlanCutoff | None = None) -> float:
+        """Plans `spmd_mesh` into plans, floors or deferred; its step time, inf when it has no plan (yet)."""
+        phases, step = PhaseTimer(), float("inf")
         try:
             plans.append(spmd.plan_captured(captured, model, example_inputs, mesh=spmd_mesh,
                                             memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
                                             baselines=baselines and k == 0, timer=phases, recompute=recompute,
-                                            cutoff=cutoff))
+                                            cutoff=cutoff, resume=resume))
+            step = plans[-1].predicted_step_time if plans[-1].feasible else step
         except InfeasiblePlanError as e:
             floors.append(e)
         except spmd.PlanCutoff as e:
@@ -118,6 +120,7 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
         for name, seconds in phases.items():
             if name != "total":
                 timer[name] = timer.get(name, 0.0) + seconds
+        return step
 
     shapes = _spmd_meshes(mesh)
     for k, spmd_mesh in enumerate(shapes):   # a 2-D mesh's memory-row solves wait (DEFER)
@@ -149,14 +152,16 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     piped = min((c for c in found if c.feasible), key=lambda c: c.step_time, default=None)
     fastest = min(incumbent, piped.step_time if piped is not None else float("inf"))
     pruned, more = {}, []
-    for k, spmd_mesh, cut in deferred:   # solved only where its bound could beat the best found
-        if cut.bound < fastest:
-            plan_spmd(k, spmd_mesh, None)
+    spmd_best = fastest   # the caller's mesh wins ties with the other shapes (not with a pipeline: fastest)
+    for k, spmd_mesh, cut in sorted(deferred, key=lambda d: d[2].bound):   # the most promising first
+        if cut.bound < fastest and (cut.bound < spmd_best or k == 0):
+            # on from where it stopped: its CostProblem, recipes and budget-free optimum
+            spmd_best = min(spmd_best, plan_spmd(k, spmd_mesh, None, cut))
         else:
             pruned[f"spmd {spmd_mesh.shape}"] = {
                 "feasible": False, "time": None, "memory": None, "bound": cut.bound,
                 "reason": f"not solved under the memory row: its fastest plan without the row ({cut.bound:.4g} s) "
-                          f"needs more memory and is no faster than the best found ({fastest:.4g} s)"}
+                          f"needs more memory and is no faster than the best found ({min(fastest, spmd_best):.4g} s)"}
     plans.sort(key=lambda p: p.mesh != mesh)   # the caller's mesh first: it wins ties, solved late or not
     best = min((p for p in plans if p.feasible), key=lambda p: p.predicted_step_time, default=None)
     if piped is not None and piped.step_time < (best.predicted_step_time if best is not None else float("inf")):
@@ -174,8 +179,9 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     if best is None:
         raise _infeasible(model, mesh, budget, optimizer, plans, floors, found, pipelines)
     timer["total"] = sum(v for k, v in timer.items() if k != "total")
-    # the recipes priced on the caller's mesh (k = 0), whichever shape won
-    table = {**next((p.baselines for p in plans if p.mesh == mesh), best.baselines), **pruned}
+    # the recipes priced on the caller's mesh (k = 0), whichever shape won, solved or cut
+    caller_recipes = [p.baselines for p in plans if p.mesh == mesh] + [c.state[1] for k, _, c in deferred if k == 0]
+    table = {**(caller_recipes[0] if caller_recipes else best.baselines), **pruned}
     for p in plans:   # the other shapes of the devices (regrid's last-resort grids stay out of the summary)
         if p is not best and p.feasible and all(p is not q for q in more):
             table[f"spmd {p.mesh.shape}"] = {"feasible": True, "time": p.predicted_step_time,

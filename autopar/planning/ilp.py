@@ -33,7 +33,7 @@ _CPSAT_PARAMS = {
 }
 
 
-_HIGHS_PARAMS = "output_flag=false\nmip_heuristic_run_feasibility_jump=false\n"
+_HIGHS_PARAMS = "output_flag=false\nmip_heuristic_run_feasibility_jump=false\nmip_allow_restart=false\n"
 _INTEGRAL = 1e-9   # an LP value this close to 0 or 1 is integral
 _LP_TOLERANCES = "dual_feasibility_tolerance=1e-9\nprimal_feasibility_tolerance=1e-9\n"   # relaxation_bound
 

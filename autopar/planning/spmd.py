@@ -49,39 +49,45 @@ def plan_spmd(model, example_inputs, *, mesh, strategy="auto", memory_budget=Non
 class PlanCutoff(Exception):
     """`plan_captured(cutoff=c)` stopped before its memory-row solves: no plan of the mesh is faster than
     `bound` seconds (the proven bound of the time optimum without the row: a row and recompute only add
-    time), and bound >= c."""
+    time), and bound >= c. `state` (the CostProblem, its recipes' table and solutions) lets
+    `plan_captured(resume=...)` go on where this stopped, without building or solving them again."""
 
-    def __init__(self, bound: float):
+    def __init__(self, bound: float, state: tuple = ()):
         super().__init__(f"no plan is faster than {bound:.4g} s")
         self.bound = bound
+        self.state = state
 
 
 def plan_captured(captured, model, example_inputs, *, mesh, strategy="auto", memory_budget=None, optimizer="adamw",
                   time_limit=None, baselines: bool = True, timer=None, recompute=None,
-                  cutoff: float | None = None) -> Plan:
+                  cutoff: float | None = None, resume: PlanCutoff | None = None) -> Plan:
     """The planning steps after capture (the runtime calls this with the graph it already has).
     `cutoff` (seconds; strategy "auto" under a budget): when the fastest plan without the memory row
     does not fit, and is not faster than `cutoff`, raise PlanCutoff instead of solving under the row
     (with recompute, the costly part: Llama-3-70B on 8 x 8 H100s, 60-100 s of HiGHS). The bound is
-    over tiled layer plans, as the solver's plans are (`solver.solve`'s dedup_layers)."""
+    over tiled layer plans, as the solver's plans are (`solver.solve`'s dedup_layers). `resume`: that
+    PlanCutoff, to plan on from its CostProblem (the budget-free optimum in its solver cache) and recipes."""
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     wanted = recipes.normalize(strategy, mesh)
     check_batch_divides(wanted, mesh, example_inputs)
     time_limit = DEFAULT_TIME_LIMIT if time_limit is None else time_limit
     timer = timer if timer is not None else PhaseTimer()
-    with timer("strategies+costs"):  # candidate placements per op, priced in seconds and bytes
-        prob = ProblemBuilder(captured, mesh, optimizer).build()
-        prob.cg.memory_budget = budget
-        log(2, f"cost graph: {len(prob.cg.nodes)} nodes, {len(prob.cg.edges)} edges, "
-               f"{sum(len(s) for s in prob.strategies)} strategies, {len(prob.cg.layer_groups)} layer classes")
-    with timer("baselines"):      # the textbook recipes under the same cost model
-        table, solutions = solve_baselines(prob, captured, mesh, time_limit) if baselines else ({}, {})
+    if resume is not None:
+        prob, table, solutions = resume.state
+    else:
+        with timer("strategies+costs"):  # candidate placements per op, priced in seconds and bytes
+            prob = ProblemBuilder(captured, mesh, optimizer).build()
+            prob.cg.memory_budget = budget
+            log(2, f"cost graph: {len(prob.cg.nodes)} nodes, {len(prob.cg.edges)} edges, "
+                   f"{sum(len(s) for s in prob.strategies)} strategies, {len(prob.cg.layer_groups)} layer classes")
+        with timer("baselines"):      # the textbook recipes under the same cost model
+            table, solutions = solve_baselines(prob, captured, mesh, time_limit) if baselines else ({}, {})
     with timer("solve"):          # the ILP over everything, warm-started from the best recipe
         if cutoff is not None and budget is not None and all(r == "auto" for r in wanted):
             free = budget_free(prob, time_limit)   # kept in prob.solver_cache: the solves below recall it
             if free.memory > budget and free.lower_bound >= cutoff:   # a bound, not the plan: a limit may stop it
-                raise PlanCutoff(free.lower_bound)
+                raise PlanCutoff(free.lower_bound, (prob, table, solutions))
         sol, reason, rc = _solve_with_recompute(prob, captured, mesh, wanted, solutions, time_limit, recompute)
     return assemble.with_recompute(assemble_plan(prob, captured, mesh, strategy, wanted, budget, sol, reason, table, timer,
                                              model, example_inputs), prob, sol.choice, rc)
