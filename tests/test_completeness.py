@@ -159,6 +159,31 @@ def test_the_default_search_solves_a_deferred_mesh_that_can_win(monkeypatch):
     assert {r: late.baselines[r] for r in recipes} == {r: first.baselines[r] for r in recipes}
 
 
+def test_without_any_spmd_plan_the_most_promising_deferred_mesh_is_solved_before_the_pipelines(monkeypatch):
+    """When every SPMD shape either has no plan or waits (its fastest plan needs more than the budget),
+    the pipeline search would have no incumbent and price every candidate until one fits (Llama-3.1-405B
+    on 256 x 8 H100s: 63 groups of 30-70 CPU s). The waiting mesh of least bound is solved first, and
+    its step is the search's incumbent (here the 1-D shape is made to fail: GPT 2 layers on 2 x 8 at 150 MB)."""
+    from autopar.pipeline import auto
+    from autopar.planning import spmd
+    real_plan, real_bb = spmd.plan_captured, auto.branch_and_bound
+    incumbents = []
+
+    def no_flat(captured, model, inputs, *, mesh, **kw):
+        if mesh.ndim == 1:
+            raise InfeasiblePlanError("made to fail", min_memory_per_device=1e12, budget=0.15 * GB)
+        return real_plan(captured, model, inputs, mesh=mesh, **kw)
+
+    def seen(prof, jobs, budget, strategy, keep, incumbent=float("inf"), **kw):
+        incumbents.append(incumbent)
+        return real_bb(prof, jobs, budget, strategy, keep, incumbent=incumbent, **kw)
+    monkeypatch.setattr(spmd, "plan_captured", no_flat)
+    monkeypatch.setattr(auto, "branch_and_bound", seen)
+    got = _plan(_gpt(), _mesh(16, True), memory_budget=0.15 * GB, baselines=True)
+    assert len(incumbents) == 1 and incumbents[0] < float("inf")
+    assert got.memory_per_device <= 0.15 * GB and got.predicted_step_time <= incumbents[0]
+
+
 def test_a_deferred_mesh_that_cannot_win_is_not_solved_and_the_table_says_so(monkeypatch):
     """When the deferred mesh's bound is no faster than the best plan found, its memory-row solves never
     run: the plan is another candidate's, and its table carries the mesh's bound and why (the bound is
