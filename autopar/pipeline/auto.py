@@ -167,7 +167,7 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
             pruned[f"spmd {spmd_mesh.shape}"] = {
                 "feasible": False, "time": None, "memory": None, "bound": cut.bound,
                 "reason": f"not solved under the memory row: its fastest plan without the row ({cut.bound:.4g} s) "
-                          f"needs more memory and is no faster than the best found ({min(fastest, spmd_best):.4g} s)"}
+                          f"needs more memory and is no faster than the best found ({spmd_best:.4g} s)"}
     plans.sort(key=lambda p: p.mesh != mesh)   # the caller's mesh first: it wins ties, solved late or not
     best = min((p for p in plans if p.feasible), key=lambda p: p.predicted_step_time, default=None)
     if piped is not None and piped.step_time < (best.predicted_step_time if best is not None else float("inf")):
