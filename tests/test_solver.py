@@ -229,7 +229,6 @@ def test_compact_drops_dominated_strategies_exactly(quantile):
         assert solve(worse).time == pytest.approx(ref.time, abs=1e-9)
 
 
-
 def test_compact_keeps_the_least_memory_of_equal_strategies_without_a_budget():
     """Without a memory row, of strategies equal in time and every edge `compact` keeps the one of least
     memory: the budget-free optimum is then one the same graph under a row keeps too (the solver's memo
@@ -245,6 +244,7 @@ def test_compact_keeps_the_least_memory_of_equal_strategies_without_a_budget():
     budgeted = solve(CostGraph(cg.nodes, cg.edges, 100.0, 0.0), cache=(cache := {}))
     free = solve(cg, cache=cache)
     assert budgeted.choice.tolist() == free.choice.tolist() == [1, 0]
+
 
 def _same(a, b) -> bool:
     return a.choice.tobytes() == b.choice.tobytes() and (a.time, a.memory, a.lower_bound, a.status, a.backend,

@@ -30,13 +30,13 @@ one-device time (roofline on local FLOPs and bytes, both >= 1/k) nor less than i
 (`search.Profiler.seconds_bound`), edges cost >= 0, and the
 schedules' step time is >= f * S + P / pp for S the per-micro-batch seconds, P the per-step seconds,
 f = 1/v + (m - 1/v) / pp (`stages.step_lower_bound`); the second bound also charges the resharding of
-a spanning forest of the cost graph (`autopar.planning.forest_bound`). The fast search adds a third on
-2-D sub-meshes, where the SPMD solve is a MIP: the LP relaxation of the group's layer quotient
+a spanning forest of the cost graph (`autopar.planning.forest_bound`). The fast search uses instead, on
+2-D sub-meshes, where the SPMD solve is a MIP, the LP relaxation of the group's layer quotient
 (`autopar.planning.lp_bound`, one LP per group, weighted for the least per-step ratio 1 / (f * pp) of
 its live candidates), a bound over tiled plans. The forest bound leaves out most communication: on
 Llama-3-70B x 64 H100s (bf16) it stayed at 0.5-0.9 of the LP bound, so it pruned none of the seven
-2-D groups whose budget-free MIPs took 22-58 CPU s each; the LP bound, 5-9 s each, was 1.13-2.2x the
-best step there, except one (1.0x) that is priced.
+2-D groups whose budget-free MIPs took 22-58 CPU s each; the LP bound (now 1.5-2.1 CPU s each) was
+1.13-2.2x the best step there, except one (1.0x) that is priced.
 """
 from __future__ import annotations
 
@@ -116,16 +116,16 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
         if min(group)[0] > cutoff:
             break  # every later group's least bound is larger still
         priced_here = False
-        # the forest needs the group's CostProblem: worth building first only where the solve is the costly
-        # 2-D one (auto on a dp x tp sub-mesh); 1-D and forced-recipe groups solve by the DP in a blink
-        forest = strategy is None and min(group[0][2], group[0][3]) > 1
+        # the forest and LP bounds need the group's CostProblem: worth building first only where the solve
+        # is the costly 2-D one (auto on a dp x tp sub-mesh); 1-D and forced-recipe groups solve by the DP
+        costly = strategy is None and min(group[0][2], group[0][3]) > 1
         ratio = None   # the LP bound's per-step weight, one per group (the least its live candidates need)
         for bound, pp, dp, tp, m, s in group:
             if bound > cutoff:
                 continue
-            if forest and not fast and cutoff < float("inf") and prof.forest_bound(m, dp, tp, strategy, pp, s) > cutoff:
+            if costly and not fast and cutoff < float("inf") and prof.forest_bound(m, dp, tp, strategy, pp, s) > cutoff:
                 continue
-            if forest and fast and cutoff < float("inf"):
+            if costly and fast and cutoff < float("inf"):   # the LP bound in place of the forest
                 if ratio is None:   # later candidates are live under a lower cutoff: the least ratio still holds
                     ratio = min(_per_step(p, mm, x) / _per_microbatch(p, mm, x) for b, p, _, _, mm, x in group
                                 if b <= cutoff)
