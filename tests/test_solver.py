@@ -316,7 +316,7 @@ def test_highs_takes_an_integral_lp_optimum_and_branches_otherwise():
             if ref is None:
                 continue
             p = from_costgraph(cg)
-            relaxed = _integral_relaxation(build_model(p, "highs"), p)
+            relaxed = _integral_relaxation(build_model(p, "highs"), p, 1e-9)
             choice, status, bound = run_model(build_model(p, "highs"), p, "highs", math.inf, None, True, 1e-9)
             assert status == "optimal" and p.evaluate(choice)[0] == pytest.approx(ref.time, rel=1e-6, abs=1e-9)
             assert bound <= ref.time + 1e-9
@@ -327,6 +327,22 @@ def test_highs_takes_an_integral_lp_optimum_and_branches_otherwise():
                 assert p.evaluate(relaxed[0])[0] == pytest.approx(ref.time, rel=1e-6, abs=1e-9), (quantile, seed)
                 assert p.budget is None or p.evaluate(relaxed[0])[1] <= p.budget * (1 + 1e-9)
     assert integral and fractional   # both paths were taken
+
+
+def test_a_fractional_lp_without_a_memory_row_takes_its_support_plan_within_the_gap():
+    """Three nodes of two strategies on a triangle, each edge costing 1 where its ends agree: every plan
+    pays one edge (31 s with the nodes' 10 s each), the LP pays none (30 s: each node half on each
+    strategy). Within a 5% gap the support's plan (found by the DP) is taken with the LP's value as its
+    bound; within 0.1% it is not, and the MIP proves 31 within that gap (its reported bound)."""
+    from autopar.planning.ilp import build_model, run_model
+    agree = np.eye(2)
+    cg = CostGraph([CostNode(f"n{i}", np.array([10.0, 10.0]), np.zeros(2)) for i in range(3)],
+                   [CostEdge(0, 1, agree), CostEdge(1, 2, agree), CostEdge(0, 2, agree)])
+    p = from_costgraph(cg)
+    for gap, bound in ((0.05, 30.0), (1e-3, 31.0 * (1 - 1e-3))):
+        choice, status, found = run_model(build_model(p, "highs"), p, "highs", math.inf, None, True, gap)
+        assert status == "optimal" and p.evaluate(choice)[0] == pytest.approx(31.0)
+        assert found == pytest.approx(bound, abs=1e-6), gap
 
 
 @pytest.mark.parametrize("backend", ["highs", "auto"])

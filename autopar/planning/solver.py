@@ -31,8 +31,11 @@ never leaves it without a plan: the incumbent, the hint or the minimum-memory pl
 
 HiGHS (`autopar.planning.ilp.run_model`) first solves the LP relaxation: an integral LP optimum is the ILP's
 optimum, taken without branching (without a memory row it is integral on every transformer graph
-measured: Llama-70B on 32 x 8, 347k variables, 22 s as a MIP, 6 s as an LP, same plan); otherwise
-the MIP runs, stopping at the relative gap `mip_gap`, whose proven bound is reported.
+measured: Llama-70B on 32 x 8, 347k variables, 22 s as a MIP, 6 s as an LP, same plan). Where it is
+fractional without a memory row (Llama-3-70B's micro-batch graphs on dp x tp sub-meshes: a few dozen
+nodes split between two strategies), the DP's best plan on the LP's support is taken when it lies
+within `mip_gap` of the LP's value (`ilp._support_plan`); otherwise the MIP runs, stopping at the
+relative gap `mip_gap`, whose proven bound is reported.
 
 Determinism: the DP, HiGHS/SCIP/CBC (one thread) and CP-SAT solved to optimality repeat byte for
 byte; under a time limit with deterministic=True CP-SAT runs `interleave_search` and stops on
