@@ -345,6 +345,20 @@ def test_a_fractional_lp_without_a_memory_row_takes_its_support_plan_within_the_
         assert found == pytest.approx(bound, abs=1e-6), gap
 
 
+def test_a_fractional_lp_under_a_memory_row_takes_a_support_plan_that_fits():
+    """Two nodes, each 1 s in 2 bytes or 2 s in 1 byte, under a 2.5-byte row: only both slow fits (4 s);
+    the LP buys half a fast node (3.5 s). Within a 20% gap the Lagrangian plan on the LP's support
+    (both slow, 2 bytes) is taken with the LP's value as its bound; within 0.1% the MIP proves it."""
+    from autopar.planning.ilp import build_model, run_model
+    cg = CostGraph([CostNode(f"n{i}", np.array([1.0, 2.0]), np.array([2.0, 1.0])) for i in range(2)], [],
+                   memory_budget=2.5)
+    p = from_costgraph(cg)
+    for gap, bound in ((0.2, 3.5), (1e-3, 4.0 * (1 - 1e-3))):
+        choice, status, found = run_model(build_model(p, "highs"), p, "highs", math.inf, None, True, gap)
+        assert status == "optimal" and p.evaluate(choice) == pytest.approx((4.0, 2.0))
+        assert found == pytest.approx(bound, abs=1e-6), gap
+
+
 @pytest.mark.parametrize("backend", ["highs", "auto"])
 def test_a_loose_gap_reports_a_valid_lower_bound(backend):
     """Stopping within a relative gap g: the plan is within g of the optimum and the reported bound is

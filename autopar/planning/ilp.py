@@ -13,7 +13,7 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from autopar.errors import SolverError
-from autopar.planning.dp_oracle import problem_order, solve_unconstrained
+from autopar.planning.dp_oracle import lagrangian, problem_order, solve_unconstrained
 from autopar.planning.simplify import SolverProblem, compact
 
 # BENCHMARK (benchmarks/solver_backends.py, 5 s limit, 2 shared cores; 25 ops/layer, 4-16 strategies):
@@ -183,9 +183,9 @@ def _integral_relaxation(m: _Model, p: SolverProblem, gap: float) -> tuple[dict[
     (the LP's value bounds every integer plan from below, and this plan attains it), found without
     HiGHS's MIP machinery: presolve, root cuts and heuristics cost 2-15x the LP on these models even
     when the LP is already integral, as it is without a memory row (the marginal polytope of these
-    tree-like graphs) and often with one. When it is fractional and p has no memory row, the best
-    plan on the LP's support (`_support_plan`) is taken if within `gap` of the LP's value. None
-    (integrality restored) otherwise: the MIP runs."""
+    tree-like graphs) and often with one. When it is fractional, the best plan on the LP's support
+    (`_support_plan`) is taken if within `gap` of the LP's value. None (integrality restored)
+    otherwise: the MIP runs."""
     _set_integer(m, False)
     try:
         status = m.solver.Solve()
@@ -194,7 +194,7 @@ def _integral_relaxation(m: _Model, p: SolverProblem, gap: float) -> tuple[dict[
         values = {i: {k: x.solution_value() for k, x in d.items()} for i, d in m.x.items()}
         bound = m.solver.Objective().Value() + p.time_offset
         if any(min(v, abs(1.0 - v)) > _INTEGRAL for d in values.values() for v in d.values()):
-            return _support_plan(p, values, bound, gap) if p.budget is None else None
+            return _support_plan(p, values, bound, gap)
         choice = {i: max(d, key=d.__getitem__) for i, d in values.items()}
         return choice, "optimal", bound
     finally:
@@ -203,11 +203,12 @@ def _integral_relaxation(m: _Model, p: SolverProblem, gap: float) -> tuple[dict[
 
 def _support_plan(p: SolverProblem, values: dict[int, dict[int, float]], bound: float, gap: float
                   ) -> tuple[dict[int, int], str, float] | None:
-    """The fastest plan of p (no memory row) among the strategies its LP optimum `values` uses, by the
-    exact DP: on these graphs the LP is fractional on a few dozen nodes, each split between two
-    strategies, so that problem is small. No plan costs less than the LP's value `bound`, so one within
-    `gap` of it is an optimum within gap: returned as such, else None. Measured on Llama-3-70B's 2-D
-    sub-meshes (dp x tp, 127 nodes, 130-180k variables): 27 and 58 fractional nodes, the support's
+    """The fastest plan of p among the strategies its LP optimum `values` uses: the exact DP, then, if
+    that plan exceeds p's memory row, the Lagrangian bisection over the same support (a plan that fits).
+    On these graphs the LP is fractional on a few dozen nodes, each split between two strategies, so
+    that problem is small. No plan costs less than the LP's value `bound`, so one within `gap` of it is
+    an optimum within gap: returned as such, else None. Measured on Llama-3-70B's 2-D sub-meshes
+    (dp x tp, 127 nodes, 130-180k variables, no memory row): 27 and 58 fractional nodes, the support's
     plan 0.06% and 0.37% over the LP in under 0.01 s, where HiGHS's MIP took 6 and 13 CPU s more."""
     r = p.copy()
     for i, d in values.items():
@@ -222,9 +223,15 @@ def _support_plan(p: SolverProblem, values: dict[int, dict[int, float]], bound: 
     out = solve_unconstrained(q, order=order) if order is not None else None
     if out is None:
         return None
-    choice = {i: int(keep[i][k]) for i, k in out[0].items()}
-    value = p.evaluate(choice)[0]
-    if not math.isfinite(value) or value - bound > gap * abs(value):
+    found = out[0]
+    if p.budget is not None and q.evaluate(found)[1] > p.budget:
+        lr = lagrangian(q, p.budget, found, order=order, tol=gap)
+        if lr is None or lr.choice is None:
+            return None
+        found = lr.choice
+    choice = {i: int(keep[i][k]) for i, k in found.items()}
+    value, memory = p.evaluate(choice)
+    if not math.isfinite(value) or value - bound > gap * abs(value) or (p.budget is not None and memory > p.budget):
         return None
     return choice, "optimal", min(bound, value)
 
