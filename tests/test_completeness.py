@@ -84,6 +84,15 @@ def test_the_reported_minimum_is_a_lower_bound_over_forced_plans():
         assert p.memory_per_device >= bound * (1 - 1e-9), (kw, p.memory_per_device, bound)
 
 
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_the_infeasible_message_suggests_bf16_only_to_an_fp32_call(precision):
+    """8 MB: over the state sharded 16 ways (6.97 MB), under every candidate: the search's own message."""
+    with pytest.raises(InfeasiblePlanError) as info:
+        _plan(_gpt(), _mesh(16, False), memory_budget=0.008 * GB, mixed_precision=precision, time_limit=5)
+    assert "SPMD and pipelined layouts" in str(info.value)
+    assert ("mixed_precision='bf16'" in str(info.value)) == (precision is None)
+
+
 @pytest.mark.parametrize("two_d", [False, True])
 def test_more_devices_than_the_batch_splits_over_still_fit(two_d):
     """The counter-example of issue 27: under 10 MB a batch of 64 fits on 64 devices (a pipeline, forced

@@ -183,7 +183,7 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
         plans, floors = plans + more, floors + failed
         best = min((p for p in more if p.feasible), key=lambda p: p.predicted_step_time, default=None)
     if best is None:
-        raise _infeasible(model, mesh, budget, optimizer, plans, floors, found, pipelines)
+        raise _infeasible(model, mesh, budget, optimizer, plans, floors, found, pipelines, policy)
     timer["total"] = sum(v for k, v in timer.items() if k != "total")
     # the recipes priced on the caller's mesh (k = 0), whichever shape won, solved or cut
     caller_recipes = [p.baselines for p in plans if p.mesh == mesh] + [c.state[1] for k, _, c in deferred if k == 0]
@@ -245,7 +245,7 @@ def _label(c: Candidate) -> str:
     return f"pp{c.pp} dp{c.dp} tp{c.tp} m{c.num_microbatches} {c.schedule}"
 
 
-def _infeasible(model, mesh, budget, optimizer, plans, floors, found, pipelines) -> InfeasiblePlanError:
+def _infeasible(model, mesh, budget, optimizer, plans, floors, found, pipelines, policy=None) -> InfeasiblePlanError:
     """No candidate fits: a lower bound over the whole space, and the least memory a candidate needed."""
     spmd_floor = min([e.min_memory_per_device for e in floors if e.min_memory_per_device is not None]
                      + [p.memory_per_device for p in plans], default=0.0)
@@ -256,6 +256,6 @@ def _infeasible(model, mesh, budget, optimizer, plans, floors, found, pipelines)
         f"no plan fits the memory budget ({format_bytes(budget)} per device) on {mesh.size} devices ({where}"
         f"layouts): the smallest plan needs "
         f"{format_bytes(bound)} or more (a lower bound over every recipe, recompute setting and stage count; "
-        f"the least a priced candidate needed is {format_bytes(least)}); raise memory_budget, use more "
-        f"devices, or pass mixed_precision='bf16'",
+        f"the least a priced candidate needed is {format_bytes(least)}); raise memory_budget or use more "
+        f"devices" + ("" if policy else ", or pass mixed_precision='bf16'"),
         min_memory_per_device=bound, budget=budget)
