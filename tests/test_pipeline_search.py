@@ -238,6 +238,14 @@ class _TradeOffProfiler:
         s, a, t = self.plans[min(fits, key=lambda k: self.plans[k][2])]
         return [LayerCost(f"h.{i}", t, 2 * t, s * 1e9, a * 1e9, 0.0) for i in range(self.units)]
 
+    def recomputed(self, m, dp, tp, row, strategy=None, act_weight=1.0):
+        """Its units are no model layers: none can recompute (`candidates._recomputed` then stops). The
+        plan is one `layers` solved already: no row is solved again."""
+        from autopar.planning.recompute import RecomputeDecision
+        rows, found = list(self.rows), self.layers(m, dp, tp, row, strategy, act_weight)
+        self.rows = rows
+        return found, None, RecomputeDecision()
+
 
 def test_price_weighs_activations_by_micro_batches_in_flight():
     """pp 2, 1F1B, m 4 (the first stage keeps 2 micro-batches, the second 1: w = 1.5), 20 GB per

@@ -76,3 +76,28 @@ def test_spmd_rows_price_as_the_search_prices(mixed_precision):
     mesh = autopar.Mesh((4, 2), hardware="h100", devices_per_node=8)
     plan = _check(case, mesh, None, mixed_precision, "1f1b", 4)
     assert not plan.stages or len(plan.stages) == 1
+
+
+
+def test_a_pipeline_that_fits_only_with_recompute_builds_what_the_search_priced():
+    """Under 40 MB no split of any memory row's plan of pp 2 x dp 4 x tp 2 fits, and `price` tries each
+    with every layer but the last recomputing (`candidates._recomputed`): that candidate fits, and the
+    plan built from it (`auto.pipelined_plan`: its strategies, recomputed layers and split) is what was
+    priced. One Profiler for both: the memory rows are CP-SAT solves, whose plan may differ between
+    two Profilers within the solver's gap. (`autopar.plan(..., memory_budget="40MB", search="exact",
+    schedule="1f1b", num_microbatches=4)` on this mesh picks this very candidate.)"""
+    from autopar.debug import PhaseTimer
+    from autopar.pipeline.auto import pipelined_plan
+    case = models.meta_gpt(n_layer=4, n_embd=256, n_head=4, batch=16, seq=128)
+    mesh = autopar.Mesh((2, 8), hardware="h100", devices_per_node=8)
+    prof = Profiler(case.model, case.example_inputs, mesh.hardware, mesh.devices_per_node)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        [priced] = price(prof, 2, 4, 2, 4, ("1f1b",), 40e6)
+        plan = pipelined_plan(prof, priced, case.model, 40e6, PhaseTimer())
+        [kept] = price(prof, 2, 4, 2, 4, ("1f1b",), 40e6, recompute=False)   # recompute="none"'s search
+    assert not kept.feasible and kept.memory_per_device > 40e6
+    assert priced.feasible and priced.recompute == ("transformer.h.0", "transformer.h.1", "transformer.h.2")
+    assert plan.recompute == priced.recompute and len(plan.stages) == 2
+    assert plan.predicted_step_time == pytest.approx(priced.step_time, rel=REL)
+    assert plan.memory_per_device == pytest.approx(priced.memory_per_device, rel=REL) and plan.memory_per_device <= 40e6

@@ -31,13 +31,15 @@ One capture of the whole batch (under the mixed-precision policy, with `example_
      The fast search also solves no memory rows for a candidate whose budget-free plan, split without a
      budget, is 1.05x the best step found or slower (`candidates.price`'s cutoff: a heuristic; those
      MIPs were nearly all of a large model's search time). `plan.solver["search"]` says which ran,
-     and how many rows it skipped.
+     and how many rows it skipped. A candidate whose rows' plans split within the budget only with
+     full recompute (every layer but a stack's last) is priced so (`candidates._recomputed`), except
+     with recompute="none".
   3. Only when nothing above fits: SPMD on every other 2-D grid (N / k) x k of the same devices
      (`autopar.pipeline.regrid`: k beyond a node too), so that feasibility never falls as devices are
      added (a batch of 64 that 64 devices run as a pipeline runs on 1,024 as 64 x 16).
   4. The fastest feasible candidate is the plan. A pipelined one is built from the very solution the
-     search priced (`Profiler.solution`, `stages.partition`'s split): its predicted step and memory
-     are the search's.
+     search priced (`Profiler.solution`, with its recomputed layers: `Profiler.recomputed`;
+     `stages.partition`'s split): its predicted step and memory are the search's.
 When nothing fits, InfeasiblePlanError.min_memory_per_device is a lower bound over the whole space:
 the least of the SPMD solver's bound (with recompute) and, for pipelines, the model's state sharded
 over every device (no split of any stage count holds less). The message also names the least
@@ -62,7 +64,7 @@ from autopar.pipeline.layer_profile import layer_costs
 from autopar.pipeline.search import Profiler, batch_size, candidate_jobs, state_floor
 from autopar.pipeline.stages import INTERLEAVE, step_lower_bound
 from autopar.plan import Plan
-from autopar.planning import collector, spmd
+from autopar.planning import assemble, collector, spmd
 from autopar.sharding import recipes
 
 SEARCHES = ("fast", "exact")
@@ -152,7 +154,7 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
         if explored:
             with timer("search"):
                 found = branch_and_bound(prof, jobs, budget, None, keep=1, incumbent=incumbent,
-                                         fast=search == "fast", stats=walk)
+                                         fast=search == "fast", stats=walk, recompute=recompute != "none")
             log(1, f"layout search: {sum(len(j[4]) for j in jobs)} pipeline candidates, {len(found)} priced "
                    f"(incumbent {incumbent:.4g} s)")
     piped = min((c for c in found if c.feasible), key=lambda c: c.step_time, default=None)
@@ -209,9 +211,14 @@ def pipelined_plan(prof: Profiler, best: Candidate, model, budget, timer) -> Pla
     cap, inputs = prof.captured(m)
     prob = prof.problem(m, best.dp, best.tp)
     sol = prof.solution(m, best.dp, best.tp, best.inner_budget, None, best.inner_weight)
+    rc = None
+    if best.recompute:   # the same plan with its layers recomputed, as the search priced it
+        layers, sol, rc = prof.recomputed(m, best.dp, best.tp, best.inner_budget, None, best.inner_weight)
     wanted = recipes.normalize("auto", sub)
     one_stage = spmd.assemble_plan(prob, cap, sub, "auto", wanted, None, sol, "", {}, timer, model, inputs)
-    layers = layer_costs(prob, sol.choice, cap)
+    one_stage = assemble.with_recompute(one_stage, prob, sol.choice, rc)
+    if rc is None:
+        layers = layer_costs(prob, sol.choice, cap)
     full = Mesh((best.pp, *sub.shape), ("pp", *sub.axis_names), prof.hardware, prof.dpn)
     v = INTERLEAVE if best.schedule == "interleaved_1f1b" else 1
     return pipelined.widen(one_stage, full, layers, best.split, m, best.schedule, budget, cap, v)
@@ -242,7 +249,7 @@ def _splits_batch(example_inputs) -> bool:
 
 
 def _label(c: Candidate) -> str:
-    return f"pp{c.pp} dp{c.dp} tp{c.tp} m{c.num_microbatches} {c.schedule}"
+    return f"pp{c.pp} dp{c.dp} tp{c.tp} m{c.num_microbatches} {c.schedule}" + (" recompute" if c.recompute else "")
 
 
 def _infeasible(model, mesh, budget, optimizer, plans, floors, found, pipelines, policy=None) -> InfeasiblePlanError:

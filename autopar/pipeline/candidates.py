@@ -23,6 +23,10 @@ A row the looser plan already meets is not re-solved. Unweighted rows alone let 
 large activations (Llama-70B on 256 devices at 40 GB, pp 8 x dp 4 x tp 8, 1F1B, m 32: 92 GB of
 activations per micro-batch under a 160 GB row, kept up to 8 times on the first stages), so auto
 found no split where ZeRO-3 x TP did.
+If no row's plan splits, each of them is priced with full recompute (`_recomputed`: every layer but
+the last of each stack re-runs its forward in backward, strategies unchanged) before the candidate is
+called infeasible; the first that splits within the budget is the candidate (auto only, not a forced
+recipe: the recipes with activation checkpointing are priced as such by benchmarks/plan_quality.py).
 Branch and bound (`branch_and_bound`) keeps the search exact while skipping SPMD solves: a candidate
 is priced only if a lower bound of its step time is within the k-th fastest found so far. The bounds
 hold for every plan of the cost model: no op or parameter on k devices costs less than 1/k of its
@@ -75,17 +79,19 @@ class Candidate:
     inner_budget: float | None = None    # the SPMD memory row the profile was solved under
     inner_weight: float = 1.0            # ... with activations weighted by this in-flight count
     reason: str = ""
+    recompute: tuple[str, ...] = ()      # layers whose forward re-runs in backward (`Profiler.recomputed`)
 
     def as_dict(self) -> dict:
         """A JSON-ready row (for Plan.baselines or a report)."""
         return {"mesh": {"pp": self.pp, "dp": self.dp, "tp": self.tp}, "num_microbatches": self.num_microbatches,
                 "schedule": self.schedule, "feasible": self.feasible, "time": self.step_time,
                 "memory": self.memory_per_device, "bounds": list(self.split.bounds) if self.split else None,
-                "bubble": float(self.split.bubble_fraction) if self.split else None, "reason": self.reason}
+                "bubble": float(self.split.bubble_fraction) if self.split else None, "reason": self.reason,
+                "recompute": len(self.recompute)}
 
 
 def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumbent: float = float("inf"),
-                     fast: bool = False, stats: dict | None = None) -> list[Candidate]:
+                     fast: bool = False, stats: dict | None = None, recompute: bool = True) -> list[Candidate]:
     """Price `jobs` best-first by a lower bound of their step time, skipping every candidate whose
     bound exceeds the `keep`-th fastest feasible time found so far: it cannot be among the `keep`
     fastest, so the search's best (and its keep - 1 runners-up) are those of pricing every job.
@@ -101,7 +107,8 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
     CPU s, skipped no candidate the LP kept), and `price` solves no memory rows for a
     candidate whose budget-free plan splits SKIP_MARGIN times slower than the best found or more.
     `stats` (a dict) receives groups, groups_priced (those where some candidate was priced),
-    lp_pruned (candidates the LP bound skipped) and rows_skipped."""
+    lp_pruned (candidates the LP bound skipped) and rows_skipped. `recompute=False`: no candidate is
+    priced with recompute (`price`)."""
     groups: dict[tuple, list[tuple]] = {}
     for pp, dp, tp, m, names in jobs:
         ops, step = prof.seconds_bound(m, dp * tp)
@@ -132,7 +139,7 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
                 if _per_microbatch(pp, m, s) * prof.lp_bound(m, dp, tp, strategy, ratio) > cutoff:
                     lp_pruned += 1
                     continue
-            new = price(prof, pp, dp, tp, m, (s,), budget, strategy, cutoff if fast else None)
+            new = price(prof, pp, dp, tp, m, (s,), budget, strategy, cutoff if fast else None, recompute)
             found += new
             priced_here = True
             fastest = sorted(fastest + [c.step_time for c in new if c.feasible])[:keep]
@@ -155,8 +162,9 @@ def _per_step(pp: int, m: int, schedule: str) -> float:
 
 
 def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, strategy=None,
-          cutoff: float | None = None) -> list[Candidate]:
-    """Candidates of one (pp, dp, tp, m) for each schedule: the loosest SPMD memory row whose split fits.
+          cutoff: float | None = None, recompute: bool = True) -> list[Candidate]:
+    """Candidates of one (pp, dp, tp, m) for each schedule: the loosest SPMD memory row whose split fits,
+    else (`recompute`, auto only) the first of those rows' plans that splits with full recompute.
     `cutoff` (search="fast"): when the budget-free plan does not split under the budget, its split
     without a budget is computed first, and if that is SKIP_MARGIN times `cutoff` or slower, no memory
     row is solved: the candidate comes back infeasible, its reason starting with SKIPPED. A memory row
@@ -174,7 +182,7 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
         if v > 1 and m % pp:
             continue  # interleaving needs whole rounds of pp micro-batches
         best, least, held = None, float("inf"), None   # held: (state, activation) bytes of the last plan
-        skipped = ""
+        skipped, solved = "", []   # solved: the (row, weight) whose SPMD plans were found, loosest first
 
         def split_under(layers, memory_budget):
             return partition(layers, pp, m, schedule, p2p_time=p2p, memory_budget=memory_budget, v=v,
@@ -202,6 +210,7 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
                     rows.insert(k, (floor * FLOOR_SLACK, w))   # the most activation-frugal plans
                 continue
             held = (sum(x.state_bytes for x in layers), sum(x.activation_bytes for x in layers))
+            solved.append((row, w))
             if pp * v > len(layers):
                 break
             try:
@@ -218,12 +227,34 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
             best = Candidate(pp, dp, tp, m, schedule, True, split.step_time, max(split.stage_memory), split,
                              stage_modules(layers, split), row, w)
             break
+        if best is None and recompute and not skipped and pp > 1 and strategy is None:
+            best, least = _recomputed(prof, pp, dp, tp, m, schedule, v, solved, split_under, budget, least)
         if best is None and least < float("inf"):
             best = Candidate(pp, dp, tp, m, schedule, False, None, least,
                              reason=skipped or f"needs {format_bytes(least)} per device")
         if best is not None:
             out.append(best)
     return out
+
+
+def _recomputed(prof: Profiler, pp, dp, tp, m, schedule, v, solved, split_under, budget, least):
+    """(the candidate, least memory) with full recompute: where no plan of the rows splits within the
+    budget, each of them (loosest first) with every layer that can recompute re-running its forward in
+    backward (`Profiler.recomputed`, strategies unchanged): the first whose split fits. Its activations
+    shrink to the layer inputs, for the re-run forward's seconds (Llama-3.1-405B, 2,048 x 8,192 tokens on
+    2,048 H100s: no candidate fit 80 GB without recompute, the least needed 81.9 GB)."""
+    for row, w in solved:
+        layers, _, rc = prof.recomputed(m, dp, tp, row, None, w)
+        if not rc.paths or pp * v > len(layers):
+            return None, least
+        try:
+            split = split_under(layers, budget)
+        except InfeasiblePlanError as e:
+            least = min(least, e.min_memory_per_device or float("inf"))
+            continue
+        return Candidate(pp, dp, tp, m, schedule, True, split.step_time, max(split.stage_memory), split,
+                         stage_modules(layers, split), row, w, recompute=rc.paths), least
+    return None, least
 
 
 def _rows(pp: int, counts: list[float], budget: float | None) -> list[tuple[float | None, float]]:

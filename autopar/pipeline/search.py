@@ -42,6 +42,7 @@ from autopar.pipeline.candidates import Candidate, branch_and_bound, price
 from autopar.pipeline.layer_profile import layer_costs, unit_names
 from autopar.pipeline.stages import INTERLEAVE, SCHEDULES, LayerCost, mesh_factorizations, step_lower_bound
 from autopar.planning import collector, spmd
+from autopar.planning import recompute as recompute_mod
 from autopar.planning.costgraph import CostGraph, CostNode
 from autopar.planning.forest_bound import forest_lower_bound, spanning_forest
 from autopar.planning.lp_bound import lp_lower_bound
@@ -133,6 +134,8 @@ class Profiler:
         self.weighted: dict[tuple, tuple] = {}              # (CostProblem key, weight) -> (CostProblem, CostGraph, cache)
         self.solutions: dict[tuple, object] = {}            # layers()'s key -> the solver's Solution (plans build from it)
         self.lp_bounds: dict[tuple, float] = {}             # (CostProblem key, ratio) -> `lp_bound`
+        self.recomputes: dict[tuple, tuple] = {}            # layers()'s key -> `recomputed`'s answer
+        self.expanded: tuple = (None, None)                 # (CostProblem, recompute.expand of it): the last one
 
     def captured(self, m: int):
         if m not in self.captures:
@@ -216,6 +219,26 @@ class Profiler:
         self.layers(m, dp, tp, budget, strategy, act_weight)
         act_weight = act_weight if budget is not None else 1.0
         return self.solutions[(m, *self._inner(dp, tp, strategy), budget, act_weight)]
+
+    def recomputed(self, m: int, dp: int, tp: int, budget: float | None, strategy=None, act_weight: float = 1.0):
+        """The plan of `layers(...)` (same arguments) with every layer that can recompute
+        (`recompute.recomputable`: all but the last of each stack) re-running its forward in backward,
+        strategies unchanged (Megatron's full recompute of a plan the search solved): (unit profile,
+        its Solution with the re-run seconds, the RecomputeDecision), cached. A plan built from the last
+        two is the plan the profile prices (`auto.pipelined_plan`)."""
+        act_weight = act_weight if budget is not None else 1.0
+        key = (m, *self._inner(dp, tp, strategy), budget, act_weight)
+        if key not in self.recomputes:
+            sol = self.solution(m, dp, tp, budget, strategy, act_weight)
+            prob = self.problem(m, dp, tp, strategy)
+            if self.expanded[0] is not prob:
+                self.expanded = (prob, recompute_mod.expand(prob))
+            ex = self.expanded[1]
+            with_rc, rc = recompute_mod.with_layers(ex, prob, sol, recompute_mod.recomputable(prob.gm))
+            cap, _ = self.captured(m)
+            self.recomputes[key] = (tuple(layer_costs(prob, sol.choice, cap, recompute=rc.paths, expanded=ex)),
+                                    with_rc, rc)
+        return self.recomputes[key]
 
     def _weighted(self, prob, key: tuple, w: float):
         """(cost graph, solver cache) of `prob` with each node's activation bytes counted w times (the
@@ -336,9 +359,9 @@ def search(model, example_inputs, *, mesh: Mesh, memory_budget=None, schedules=D
     cap, inputs = prof.captured(best.num_microbatches)
     sub = prof.sub_mesh(best.dp, best.tp)
     full = Mesh((best.pp, *sub.shape), ("pp", *sub.axis_names), mesh.hardware, mesh.devices_per_node)
-    return SearchResult(best, tuple(found), full, sub,
-                        prof.layers(best.num_microbatches, best.dp, best.tp, best.inner_budget, strategy,
-                                    best.inner_weight), cap, inputs)
+    args = (best.num_microbatches, best.dp, best.tp, best.inner_budget, strategy, best.inner_weight)
+    layers = prof.recomputed(*args)[0] if best.recompute else prof.layers(*args)
+    return SearchResult(best, tuple(found), full, sub, layers, cap, inputs)
 
 
 def candidate_jobs(prof: Profiler, mesh: Mesh, batch: int, schedules, num_microbatches=None, num_stages=None,

@@ -443,6 +443,15 @@ def _lowest(on: set[str], paths: list[str], deltas: list[tuple]) -> set[str]:
     return lowest
 
 
+def with_layers(ex: Expanded, prob, sol: Solution, paths) -> tuple[Solution, RecomputeDecision]:
+    """`sol`, a plan of `prob` without recompute (strategies only), with exactly the layers `paths`
+    recomputed and nothing re-solved: (its Solution with the re-run seconds, the RecomputeDecision), as
+    `solve_recompute` returns them. `ex`: `expand(prob)`; paths outside its layers are left out."""
+    choice = np.zeros(len(ex.cg.nodes), dtype=np.int64)
+    choice[:len(ex.sizes)] = np.asarray(sol.choice)
+    return _decode(ex, prob, sol, _layer_choice(ex, choice, set(paths) & set(ex.hubs)))
+
+
 def _layer_sort_key(path: str) -> tuple[str, int]:
     container, _, index = path.rpartition(".")
     return container, int(index)
