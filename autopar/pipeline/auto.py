@@ -60,7 +60,6 @@ from autopar.mesh import Mesh
 from autopar.pipeline import planning as pipelined
 from autopar.pipeline import regrid
 from autopar.pipeline.candidates import Candidate, branch_and_bound
-from autopar.pipeline.layer_profile import layer_costs
 from autopar.pipeline.search import Profiler, batch_size, candidate_jobs, state_floor
 from autopar.pipeline.stages import INTERLEAVE, step_lower_bound
 from autopar.plan import Plan
@@ -210,15 +209,14 @@ def pipelined_plan(prof: Profiler, best: Candidate, model, budget, timer) -> Pla
     m, sub = best.num_microbatches, prof.sub_mesh(best.dp, best.tp)
     cap, inputs = prof.captured(m)
     prob = prof.problem(m, best.dp, best.tp)
-    sol = prof.solution(m, best.dp, best.tp, best.inner_budget, None, best.inner_weight)
-    rc = None
+    args = (m, best.dp, best.tp, best.inner_budget, None, best.inner_weight)
     if best.recompute:   # the same plan with its layers recomputed, as the search priced it
-        layers, sol, rc = prof.recomputed(m, best.dp, best.tp, best.inner_budget, None, best.inner_weight)
+        layers, sol, rc = prof.recomputed(*args)
+    else:                # the profile and solution the search priced (cached there)
+        layers, sol, rc = prof.layers(*args), prof.solution(*args), None
     wanted = recipes.normalize("auto", sub)
     one_stage = spmd.assemble_plan(prob, cap, sub, "auto", wanted, None, sol, "", {}, timer, model, inputs)
     one_stage = assemble.with_recompute(one_stage, prob, sol.choice, rc)
-    if rc is None:
-        layers = layer_costs(prob, sol.choice, cap)
     full = Mesh((best.pp, *sub.shape), ("pp", *sub.axis_names), prof.hardware, prof.dpn)
     v = INTERLEAVE if best.schedule == "interleaved_1f1b" else 1
     return pipelined.widen(one_stage, full, layers, best.split, m, best.schedule, budget, cap, v)

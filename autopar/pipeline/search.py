@@ -186,14 +186,18 @@ class Profiler:
         inner = dp * tp if min(dp, tp) == 1 and strategy is None else (dp, tp)
         return inner, repr(sorted(strategy.items())) if strategy else None
 
+    def _profile_key(self, m: int, dp: int, tp: int, budget: float | None, strategy, act_weight: float) -> tuple:
+        """The cache key of `layers`, `solution` and `recomputed`: without a memory row activations weigh 1."""
+        return (m, *self._inner(dp, tp, strategy), budget, act_weight if budget is not None else 1.0)
+
     def layers(self, m: int, dp: int, tp: int, budget: float | None, strategy=None,
                act_weight: float = 1.0) -> tuple[LayerCost, ...]:
         """The unit profile of the micro-batch graph (batch / m) planned on the (dp, tp) sub-mesh with
         `strategy` (None: auto; else {"dp": recipe, "tp": recipe} as in autopar.plan). Raises
         InfeasiblePlanError when the SPMD plan cannot fit the memory row `budget`, in which
         activations count `act_weight` times (micro-batches in flight, `candidates.price`)."""
-        act_weight = act_weight if budget is not None else 1.0
-        key = (m, *self._inner(dp, tp, strategy), budget, act_weight)
+        key = self._profile_key(m, dp, tp, budget, strategy, act_weight)
+        act_weight = key[-1]
         if key not in self.profiles:
             prob = self.problem(m, dp, tp, strategy)
             cap, _ = self.captured(m)
@@ -217,8 +221,7 @@ class Profiler:
         """The solver's Solution behind `layers(...)` with the same arguments (solved there if not yet):
         a plan built from it is the plan the search priced."""
         self.layers(m, dp, tp, budget, strategy, act_weight)
-        act_weight = act_weight if budget is not None else 1.0
-        return self.solutions[(m, *self._inner(dp, tp, strategy), budget, act_weight)]
+        return self.solutions[self._profile_key(m, dp, tp, budget, strategy, act_weight)]
 
     def recomputed(self, m: int, dp: int, tp: int, budget: float | None, strategy=None, act_weight: float = 1.0):
         """The plan of `layers(...)` (same arguments) with every layer that can recompute
@@ -226,8 +229,7 @@ class Profiler:
         strategies unchanged (Megatron's full recompute of a plan the search solved): (unit profile,
         its Solution with the re-run seconds, the RecomputeDecision), cached. A plan built from the last
         two is the plan the profile prices (`auto.pipelined_plan`)."""
-        act_weight = act_weight if budget is not None else 1.0
-        key = (m, *self._inner(dp, tp, strategy), budget, act_weight)
+        key = self._profile_key(m, dp, tp, budget, strategy, act_weight)
         if key not in self.recomputes:
             sol = self.solution(m, dp, tp, budget, strategy, act_weight)
             prob = self.problem(m, dp, tp, strategy)

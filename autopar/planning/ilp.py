@@ -14,7 +14,7 @@ from ortools.linear_solver import pywraplp
 
 from autopar.errors import SolverError
 from autopar.planning.dp_oracle import lagrangian, problem_order, solve_unconstrained
-from autopar.planning.simplify import SolverProblem, compact
+from autopar.planning.simplify import SolverProblem, compact_within
 
 # BENCHMARK (benchmarks/solver_backends.py, 5 s limit, 2 shared cores; 25 ops/layer, 4-16 strategies):
 # - no memory row: variable elimination ("dp") is exact and fastest: 0.01 / 0.03 / 0.21 s at
@@ -210,12 +210,11 @@ def _support_plan(p: SolverProblem, values: dict[int, dict[int, float]], bound: 
     an optimum within gap: returned as such, else None. Measured on Llama-3-70B's 2-D sub-meshes
     (dp x tp, 127 nodes, 130-180k variables, no memory row): 27 and 58 fractional nodes, the support's
     plan 0.06% and 0.37% over the LP in under 0.01 s, where HiGHS's MIP took 6 and 13 CPU s more."""
-    r = p.copy()
+    support = {}
     for i, d in values.items():
-        used = np.zeros(len(r.time[i]), dtype=bool)
-        used[[k for k, v in d.items() if v > _INTEGRAL]] = True
-        r.time[i] = np.where(used, r.time[i], np.inf)
-    compacted = compact(r)
+        support[i] = np.zeros(len(p.time[i]), dtype=bool)
+        support[i][[k for k, v in d.items() if v > _INTEGRAL]] = True
+    compacted = compact_within(p, support, p.budget)
     if compacted is None:
         return None
     q, keep = compacted

@@ -333,3 +333,11 @@ def compact(p: SolverProblem) -> tuple[SolverProblem, dict[int, np.ndarray]] | N
                   {(u, v): _take(m, keep[u], keep[v]) for (u, v), m in q.edges.items()},
                   {i: set(a) for i, a in q.adj.items()}, p.budget, p.time_offset, p.memory_offset)
     return out, keep
+
+
+def compact_within(p: SolverProblem, within: dict[int, np.ndarray], budget: float | None
+                   ) -> tuple[SolverProblem, dict[int, np.ndarray]] | None:
+    """`compact` of p under the memory row `budget` with only the strategies `within` allowed (a bool
+    mask per node; a node left out keeps all of its own): keep[i] in p's indices, or None."""
+    time = {i: np.where(within[i], t, np.inf) if i in within else t for i, t in p.time.items()}
+    return compact(SolverProblem(p.names, time, p.memory, p.edges, p.adj, budget, p.time_offset, p.memory_offset))

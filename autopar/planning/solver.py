@@ -59,7 +59,15 @@ from autopar.errors import InfeasiblePlanError, InputError, SolverError
 from autopar.planning.costgraph import CostEdge, CostGraph, CostNode, Solution
 from autopar.planning.dp_oracle import brute_force, lagrangian, problem_order, solve_unconstrained
 from autopar.planning.ilp import BACKENDS, build_model, run_model
-from autopar.planning.simplify import SolverProblem, compact, from_costgraph, quotient_layers, restore, simplify
+from autopar.planning.simplify import (
+    SolverProblem,
+    compact,
+    compact_within,
+    from_costgraph,
+    quotient_layers,
+    restore,
+    simplify,
+)
 
 __all__ = ["solve", "min_memory", "evaluate", "restrict", "brute_force", "BACKENDS"]
 
@@ -121,11 +129,7 @@ def _time_within(p: SolverProblem, within: dict[int, np.ndarray], deadline: floa
     """`_time_optimum` of p solved on the strategies `within` only (the others forbidden, then the
     smaller problem compacted without its memory row): the same optimum when `within` holds one, on a
     problem that may be a fraction of p's size (recompute's r = 0 half: `solve`'s time_within)."""
-    q = p.copy()
-    q.budget = None
-    for i, mask in within.items():
-        q.time[i] = np.where(mask, q.time[i], np.inf)
-    compacted = compact(q)
+    compacted = compact_within(p, within, None)
     if compacted is None:
         return None
     r, keep = compacted
