@@ -3,6 +3,7 @@
     python benchmarks/plan_time.py                 # every case, each in a fresh subprocess
     python benchmarks/plan_time.py --case gpt2-8   # one case in this process
     python benchmarks/plan_time.py --profile llama3-8b-64   # cProfile, top 30 by cumulative time
+    python benchmarks/plan_time.py --case llama3-70b-bf16-64 --summary out.txt   # and the plan's summary
 
 Prints capture / canonicalize / strategies+costs / baselines / solve / search / total seconds
 (plan.timings), the wall and CPU seconds of the whole `autopar.plan` call (plan_wall, plan_cpu: what
@@ -36,7 +37,7 @@ def _mesh(devices: int):
     return autopar.Mesh((devices // 8, 8), axis_names=("dp", "tp"), hardware="h100", devices_per_node=8)
 
 
-def run_case(name: str) -> dict:
+def run_case(name: str, summary: str | None = None) -> dict:
     import autopar
     from autopar._testing import models
     model_name, devices = name.rsplit("-", 1)
@@ -57,17 +58,22 @@ def run_case(name: str) -> dict:
                             mixed_precision="bf16" if bf16 else None)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     search = plan.solver.get("search", {})
+    if summary:   # the plan on one screen, as a user reads it (plain text)
+        with open(summary, "w") as f:
+            f.write(plan.summary(rich=False) + "\n")
     return {"case": name, **plan.timings, "plan_wall": wall, "plan_cpu": cpu, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "step_ms": plan.predicted_step_time * 1e3, "mem_gb": plan.memory_per_device / 1e9,
             "solver": plan.solver.get("status", ""), "mesh": str(tuple(plan.mesh.shape)),
             "layout": "x".join(f"{a}{n}" for a, n in zip(plan.mesh.axis_names, plan.mesh.shape)),
-            "mfu": plan.predicted_mfu, "priced": search.get("priced", 0), "unexplored": search.get("unexplored", 0)}
+            "mfu": plan.predicted_mfu, "schedule": plan.schedule, "microbatches": plan.num_microbatches,
+            "recomputed": len(plan.recompute), "priced": search.get("priced", 0), "unexplored": search.get("unexplored", 0)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", choices=CASES)
     ap.add_argument("--profile", choices=CASES)
+    ap.add_argument("--summary", metavar="FILE", help="with --case: write the plan's summary() to FILE")
     args = ap.parse_args()
     if args.profile:
         import cProfile
@@ -76,7 +82,7 @@ def main() -> None:
         pstats.Stats("/tmp/plan.prof").sort_stats("cumulative").print_stats(30)
         return
     if args.case:
-        print(json.dumps(run_case(args.case)))
+        print(json.dumps(run_case(args.case, args.summary)))
         return
     print(f"{'case':<22}" + "".join(f"{p:>17}" for p in PHASES) + f"{'peak RSS MB':>13}{'step ms':>9}{'GB/dev':>8}"
           f"{'MFU':>7}  layout (pipelines priced / left)")

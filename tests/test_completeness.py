@@ -242,3 +242,28 @@ def test_the_fast_search_prices_pipelines_where_one_axis_needs_recompute():
     got = _plan(case, mesh, memory_budget=budget)
     assert got.solver["search"]["pipelines_searched"] and got.solver["search"]["priced"] > 0
     assert got.predicted_step_time <= one_axis.predicted_step_time and got.memory_per_device <= budget
+
+
+def test_a_one_axis_plan_that_needs_recompute_waits_for_the_other_layouts(monkeypatch):
+    """Where no plan of the devices as one axis fits without recompute, its recompute MIPs wait like a
+    2-D mesh's memory row: solved only if its budget-free bound can beat the best plan found (Llama-3-70B
+    x 64 H100s: 19 CPU s saved for a plan 7x slower than the pipeline). A GPT on 8 H100s, 2 nodes of 4,
+    at 280 MB: the 2 x 4 grid with recompute beats the one-axis bound, so the one-axis recompute solve
+    never runs; run alone, that plan exists and is slower than the bound, so nothing better was skipped."""
+    from autopar.planning import recompute as recompute_mod
+    solved = []
+    real = recompute_mod.solve_recompute
+
+    def counted(prob, *args, **kw):
+        solved.append(tuple(prob.mesh.shape))
+        return real(prob, *args, **kw)
+    monkeypatch.setattr(recompute_mod, "solve_recompute", counted)
+    case = models.meta_gpt(n_layer=4, n_embd=256, n_head=4, batch=64, seq=128)
+    mesh = autopar.Mesh((8,), hardware="h100", devices_per_node=4)
+    got = _plan(case, mesh, memory_budget=0.28 * GB, baselines=True)
+    row = got.baselines["spmd (8,)"]
+    assert (8,) not in solved and not row["feasible"] and "not solved" in row["reason"]
+    assert got.memory_per_device <= 0.28 * GB and got.predicted_step_time < row["bound"]
+    alone = _plan(case, mesh, memory_budget=0.28 * GB, num_stages=None)
+    assert (8,) in solved and alone.recompute and alone.memory_per_device <= 0.28 * GB
+    assert alone.predicted_step_time >= row["bound"] * (1 - 1e-9)

@@ -105,13 +105,14 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     pipelines = pipelines and mesh.size > 1 and recompute in (None, "auto", "none") and _splits_batch(example_inputs)
     plans, floors, deferred = [], [], []
 
-    def plan_spmd(k: int, spmd_mesh: Mesh, cutoff: float | None, resume: spmd.PlanCutoff | None = None) -> float:
+    def plan_spmd(k: int, spmd_mesh: Mesh, cutoff: float | None, resume: spmd.PlanCutoff | None = None,
+                  rc=recompute) -> float:
         """Plans `spmd_mesh` into plans, floors or deferred; its step time, inf when it has no plan (yet)."""
         phases, step = PhaseTimer(), float("inf")
         try:
             plans.append(spmd.plan_captured(captured, model, example_inputs, mesh=spmd_mesh,
                                             memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
-                                            baselines=baselines and k == 0, timer=phases, recompute=recompute,
+                                            baselines=baselines and k == 0, timer=phases, recompute=rc,
                                             cutoff=cutoff, resume=resume))
             step = plans[-1].predicted_step_time if plans[-1].feasible else step
         except InfeasiblePlanError as e:
@@ -123,12 +124,39 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
                 timer[name] = timer.get(name, 0.0) + seconds
         return step
 
+    def plan_flat(k: int, flat: Mesh) -> bool:
+        """A 1-D mesh when pipelines are searched and the solver decides recompute: its fastest plan;
+        where that exceeds the budget, the memory row without recompute (the solver's first try, cheap on
+        one axis: with recompute "auto" the plan it would return). Where no plan fits without recompute,
+        the recompute MIPs (CP-SAT: 19 CPU s on Llama-3-70B x 64 H100s, for a plan 7x slower than the
+        pipeline found) wait in `deferred` like a 2-D mesh's row, solved only if its budget-free bound
+        is below the best plan found; True then (the fast rule searches pipelines, as for a plan with
+        recompute)."""
+        before = len(deferred)
+        plan_spmd(k, flat, DEFER)
+        if len(deferred) == before:   # planned (its fastest plan fits) or infeasible outright
+            return False
+        cut = deferred.pop()[2]
+        n_plans, n_floors = len(plans), len(floors)
+        plan_spmd(k, flat, None, cut, rc="none")
+        if len(plans) > n_plans and plans[-1].feasible:
+            return False
+        del plans[n_plans:], floors[n_floors:]   # no floor: recompute may still fit
+        deferred.append((k, flat, cut))
+        return True
+
     shapes = _spmd_meshes(mesh)
+    recomputing = False   # a 1-D mesh's recompute solves wait for the pipeline search (plan_flat)
     for k, spmd_mesh in enumerate(shapes):   # a 2-D mesh's memory-row solves wait (DEFER)
-        plan_spmd(k, spmd_mesh, DEFER if spmd_mesh.ndim > 1 else None)
-    if pipelines and deferred and not any(p.feasible for p in plans):
+        if spmd_mesh.ndim == 1 and pipelines and recompute in (None, "auto"):
+            recomputing |= plan_flat(k, spmd_mesh)
+        else:
+            plan_spmd(k, spmd_mesh, DEFER if spmd_mesh.ndim > 1 else None)
+    if pipelines and deferred and not recomputing and not any(p.feasible for p in plans):
         # without an incumbent the pipeline search prices every candidate until one fits (Llama-3.1-405B,
-        # 2,048 x 8,192 tokens, on 256 x 8 H100s: 63 groups of 30-70 CPU s): the most promising mesh first
+        # 2,048 x 8,192 tokens, on 256 x 8 H100s: 63 groups of 30-70 CPU s): the most promising mesh first.
+        # Not where a 1-D mesh waits for recompute: that costly solve is what the waiting saves, and a
+        # 2-D mesh's row costs more (Llama-3-70B on 8 x 8: 60-100 s); the search's first group sets a cutoff
         first = min(deferred, key=lambda d: d[2].bound)
         deferred.remove(first)
         plan_spmd(first[0], first[1], None, first[2])
@@ -149,7 +177,7 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
                        f"{flat.predicted_step_time / least:.3g} x the least pipeline bound {least:.4g} s "
                        f"(FAST_RATIO {FAST_RATIO}; the best SPMD plan {incumbent / least:.3g} x)")
             explored = search == "exact" or flat is None or bool(flat.recompute) or \
-                flat.predicted_step_time > FAST_RATIO * least
+                flat.predicted_step_time > FAST_RATIO * least   # flat is None where it needs recompute
         if explored:
             with timer("search"):
                 found = branch_and_bound(prof, jobs, budget, None, keep=1, incumbent=incumbent,
