@@ -307,7 +307,7 @@ def test_elimination_order_is_shared_and_refuses_large_tables():
 def test_highs_takes_an_integral_lp_optimum_and_branches_otherwise():
     """HiGHS's model is first solved as an LP: an integral optimum is the ILP's (no branching); a
     fractional one (a memory row cutting the LP polytope) goes to the MIP. Both equal brute force."""
-    from autopar.planning.ilp import _integral_relaxation, build_model, run_model
+    from autopar.planning.ilp import build_model, integral_relaxation, run_model
     integral = fractional = 0
     for quantile in (None, 0.2, 0.5):
         for seed in range(8):
@@ -316,7 +316,7 @@ def test_highs_takes_an_integral_lp_optimum_and_branches_otherwise():
             if ref is None:
                 continue
             p = from_costgraph(cg)
-            relaxed = _integral_relaxation(build_model(p, "highs"), p, 1e-9)
+            relaxed = integral_relaxation(p, 1e-9)
             choice, status, bound = run_model(build_model(p, "highs"), p, "highs", math.inf, None, True, 1e-9)
             assert status == "optimal" and p.evaluate(choice)[0] == pytest.approx(ref.time, rel=1e-6, abs=1e-9)
             assert bound <= ref.time + 1e-9

@@ -2,6 +2,8 @@
 
 One function per constraint family, each restating its formula; every constraint is named, so an
 infeasible model says which family failed. `build_model` assembles them, `run_model` solves.
+Its LP relaxation, which HiGHS solves first and which answers most solves (`integral_relaxation`,
+`relaxation_bound`), is built from arrays instead (`solve_lp`: the same rows, scipy's HiGHS).
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from ortools.linear_solver import pywraplp
+from scipy.optimize import linprog
+from scipy.sparse import coo_array
 
 from autopar.errors import SolverError
 from autopar.planning.dp_oracle import lagrangian, problem_order, solve_unconstrained
@@ -36,7 +40,6 @@ _CPSAT_PARAMS = {
 
 _HIGHS_PARAMS = "output_flag=false\nmip_heuristic_run_feasibility_jump=false\nmip_allow_restart=false\n"
 _INTEGRAL = 1e-9   # an LP value this close to 0 or 1 is integral
-_LP_TOLERANCES = "dual_feasibility_tolerance=1e-9\nprimal_feasibility_tolerance=1e-9\n"   # relaxation_bound
 
 
 @dataclass
@@ -141,8 +144,9 @@ def build_model(p: SolverProblem, backend: str) -> _Model:
 
 
 def run_model(m: _Model, p: SolverProblem, backend: str, seconds: float, hint: dict[int, int] | None,
-               deterministic: bool, gap: float) -> tuple[dict[int, int] | None, str, float]:
-    """Solve the model; (assignment or None, "optimal"|"feasible"|"infeasible"|"unknown", bound)."""
+               deterministic: bool, gap: float, lp_first: bool = True) -> tuple[dict[int, int] | None, str, float]:
+    """Solve the model; (assignment or None, "optimal"|"feasible"|"infeasible"|"unknown", bound).
+    HiGHS first tries `integral_relaxation` (`lp_first=False`: the caller already did)."""
     s = m.solver
     if math.isfinite(seconds):
         s.SetTimeLimit(max(int(seconds * 1000), 10))
@@ -155,8 +159,8 @@ def run_model(m: _Model, p: SolverProblem, backend: str, seconds: float, hint: d
         s.SetNumThreads(1)
     if backend == "highs":   # pywraplp does not hand RELATIVE_MIP_GAP to HiGHS (ortools 9.15): say it here
         s.SetSolverSpecificParametersAsString(_HIGHS_PARAMS + f"mip_rel_gap={gap!r}\n")
-        if m.x and all(len(d) for d in m.x.values()):
-            relaxed = _integral_relaxation(m, p, gap)
+        if lp_first:
+            relaxed = integral_relaxation(p, gap)
             if relaxed is not None:
                 return relaxed
     if hint is not None and backend not in ("highs", "auto", "dp"):  # SetHint crashes HiGHS 1.12
@@ -178,27 +182,86 @@ def run_model(m: _Model, p: SolverProblem, backend: str, seconds: float, hint: d
     return choice, "optimal" if status == pywraplp.Solver.OPTIMAL else "feasible", bound
 
 
-def _integral_relaxation(m: _Model, p: SolverProblem, gap: float) -> tuple[dict[int, int], str, float] | None:
-    """Solve the LP relaxation (x continuous); when its optimum is integral it is the ILP's optimum
-    (the LP's value bounds every integer plan from below, and this plan attains it), found without
+def integral_relaxation(p: SolverProblem, gap: float) -> tuple[dict[int, int], str, float] | None:
+    """Solve the LP relaxation (x continuous, `solve_lp`); when its optimum is integral it is the ILP's
+    optimum (the LP's value bounds every integer plan from below, and this plan attains it), found without
     HiGHS's MIP machinery: presolve, root cuts and heuristics cost 2-15x the LP on these models even
     when the LP is already integral, as it is without a memory row (the marginal polytope of these
     tree-like graphs) and often with one. When it is fractional, the best plan on the LP's support
-    (`_support_plan`) is taken if within `gap` of the LP's value. None (integrality restored)
-    otherwise: the MIP runs."""
-    _set_integer(m, False)
-    try:
-        status = m.solver.Solve()
-        if status != pywraplp.Solver.OPTIMAL:
+    (`_support_plan`) is taken if within `gap` of the LP's value. None otherwise: the MIP runs."""
+    solved = solve_lp(p)
+    if solved is None:
+        return None
+    bound, values = solved
+    bound += p.time_offset
+    if any(min(v, abs(1.0 - v)) > _INTEGRAL for d in values.values() for v in d.values()):
+        return _support_plan(p, values, bound, gap)
+    choice = {i: max(d, key=d.__getitem__) for i, d in values.items()}
+    return choice, "optimal", bound
+
+
+def solve_lp(p: SolverProblem, cost_scale: float = 1.0, tight: bool = False, budget: bool = True
+             ) -> tuple[float, dict[int, dict[int, float]]] | None:
+    """The LP relaxation of `build_model`'s model (every x and e in [0, 1]; p's memory row unless
+    `budget=False`, in bytes over the largest coefficient), built from arrays and solved by HiGHS
+    through scipy: (objective without p.time_offset, {i: {s: x[i,s]}}), or None when HiGHS proves
+    no optimum. pywraplp builds the same model one coefficient at a time: 1.3 CPU s a model on
+    Llama-3.1-405B's 2-D sub-meshes (~20% of its search), this a few hundredths. `cost_scale`
+    multiplies every cost (the objective is returned unscaled); `tight`: feasibility tolerances 1e-9."""
+    xs: dict[int, tuple[np.ndarray, int]] = {}   # node -> (allowed strategies, first column)
+    costs, ncols = [], 0
+    for i, t in p.time.items():
+        allowed = np.flatnonzero(np.isfinite(t))
+        if not len(allowed):
             return None
-        values = {i: {k: x.solution_value() for k, x in d.items()} for i, d in m.x.items()}
-        bound = m.solver.Objective().Value() + p.time_offset
-        if any(min(v, abs(1.0 - v)) > _INTEGRAL for d in values.values() for v in d.values()):
-            return _support_plan(p, values, bound, gap)
-        choice = {i: max(d, key=d.__getitem__) for i, d in values.items()}
-        return choice, "optimal", bound
-    finally:
-        _set_integer(m, True)
+        xs[i] = (allowed, ncols)
+        costs.append(t[allowed])
+        ncols += len(allowed)
+    upper = [np.ones(ncols)]
+    rows, cols, vals = [], [], []
+    nrows = 0
+    for i, (allowed, first) in xs.items():   # one_strategy[i]: Σ_s x[i,s] = 1
+        rows.append(np.full(len(allowed), nrows))
+        cols.append(np.arange(first, first + len(allowed)))
+        nrows += 1
+    ones_rows = nrows
+    for (u, v), r in p.edges.items():        # edge_consistency, forbidden_pairs
+        sub = r[np.ix_(xs[u][0], xs[v][0])]
+        a, b = np.nonzero(np.isfinite(sub))
+        pairs = np.arange(ncols, ncols + len(a))
+        costs.append(sub[a, b])
+        upper.append(np.ones(len(a)))
+        ncols += len(a)
+        for end, node in ((a, u), (b, v)):   # Σ e[u,v,s,·] - x[u,s] = 0 for each s some pair uses
+            used, row_of = np.unique(end, return_inverse=True)
+            rows += [nrows + row_of, nrows + np.arange(len(used))]
+            cols += [pairs, xs[node][1] + used]
+            nrows += len(used)
+            unused = np.setdiff1d(np.arange(len(xs[node][0])), used)
+            upper[0][xs[node][1] + unused] = 0.0   # x[node,s] = 0 where every pair with s is forbidden
+    vals = [np.ones(len(cols[k])) if k < ones_rows or (k - ones_rows) % 2 == 0 else -np.ones(len(cols[k]))
+            for k in range(len(cols))]
+    a_eq = coo_array((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(nrows, ncols))
+    b_eq = np.zeros(nrows)
+    b_eq[:ones_rows] = 1.0
+    a_ub = b_ub = None
+    if budget and p.budget is not None:
+        unit = max([float(np.abs(mem).max()) for mem in p.memory.values()] + [1.0])
+        row = np.zeros(ncols)
+        for i, (allowed, first) in xs.items():
+            row[first:first + len(allowed)] = p.memory[i][allowed] / unit
+        a_ub, b_ub = row[None, :], np.array([(p.budget - p.memory_offset) / unit])
+    options = {"presolve": True}
+    if tight:
+        options.update(primal_feasibility_tolerance=1e-9, dual_feasibility_tolerance=1e-9)
+    c = np.concatenate(costs) * cost_scale
+    res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq.tocsr(), b_eq=b_eq,
+                  bounds=np.column_stack([np.zeros(ncols), np.concatenate(upper)]), method="highs", options=options)
+    if res.status != 0:
+        return None
+    x = res.x
+    values = {i: {int(s): float(x[first + k]) for k, s in enumerate(allowed)} for i, (allowed, first) in xs.items()}
+    return float(res.fun) / cost_scale, values
 
 
 def _support_plan(p: SolverProblem, values: dict[int, dict[int, float]], bound: float, gap: float
@@ -235,13 +298,6 @@ def _support_plan(p: SolverProblem, values: dict[int, dict[int, float]], bound: 
     return choice, "optimal", min(bound, value)
 
 
-def _set_integer(m: _Model, integer: bool) -> None:
-    """Make every x[i,s] binary again, or continuous (the LP relaxation; the e stay continuous)."""
-    for d in m.x.values():
-        for x in d.values():
-            x.SetInteger(integer)
-
-
 def relaxation_bound(p: SolverProblem) -> float:
     """The optimum of p's LP relaxation without its memory row (x continuous, by HiGHS): no plan of p
     costs less. -inf when HiGHS does not prove an optimum.
@@ -254,12 +310,7 @@ def relaxation_bound(p: SolverProblem) -> float:
     finite = np.concatenate([c[np.isfinite(c)].ravel() for c in (*p.time.values(), *p.edges.values())])
     positive = finite[finite > 0]
     k = 1.0 / float(np.median(positive)) if positive.size else 1.0
-    scaled = SolverProblem(p.names, {i: c * k for i, c in p.time.items()}, p.memory,
-                           {e: r * k for e, r in p.edges.items()}, p.adj)
-    m = build_model(scaled, "highs")
-    m.solver.SetNumThreads(1)
-    m.solver.SetSolverSpecificParametersAsString(_HIGHS_PARAMS + _LP_TOLERANCES)
-    _set_integer(m, False)
-    if m.solver.Solve() != pywraplp.Solver.OPTIMAL:
+    solved = solve_lp(p, cost_scale=k, tight=True, budget=False)
+    if solved is None:
         return -math.inf
-    return m.solver.Objective().Value() / k + p.time_offset
+    return solved[0] + p.time_offset

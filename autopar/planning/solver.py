@@ -29,7 +29,7 @@ per-node memory minima exceed the budget it goes there first), runs a Lagrangian
 feasible incumbent and a lower bound, then the ILP warm-started from the incumbent. A time limit
 never leaves it without a plan: the incumbent, the hint or the minimum-memory plan is returned.
 
-HiGHS (`autopar.planning.ilp.run_model`) first solves the LP relaxation: an integral LP optimum is the ILP's
+HiGHS first solves the LP relaxation (`autopar.planning.ilp.integral_relaxation`): an integral LP optimum is the ILP's
 optimum, taken without branching (without a memory row it is integral on every transformer graph
 measured: Llama-70B on 32 x 8, 347k variables, 22 s as a MIP, 6 s as an LP, same plan). Where it is
 fractional without a memory row (Llama-3-70B's micro-batch graphs on dp x tp sub-meshes: a few dozen
@@ -58,7 +58,7 @@ from autopar.costmodel.memory import format_bytes
 from autopar.errors import InfeasiblePlanError, InputError, SolverError
 from autopar.planning.costgraph import CostEdge, CostGraph, CostNode, Solution
 from autopar.planning.dp_oracle import brute_force, lagrangian, problem_order, solve_unconstrained
-from autopar.planning.ilp import BACKENDS, build_model, run_model
+from autopar.planning.ilp import BACKENDS, build_model, integral_relaxation, run_model
 from autopar.planning.simplify import (
     SolverProblem,
     compact,
@@ -89,11 +89,16 @@ def _mip(p: SolverProblem, backend: str, deadline: float, hint: dict[int, int] |
         return choice, "optimal", p.evaluate(choice)[0]
     if backend in ("auto", "dp"):
         backend = _MIP_BACKEND if _pair_variables(q) <= _HIGHS_ABOVE else "highs"
+    stats.update(mip_backend=backend)
+    if backend == "highs":   # the LP first, from arrays: the MIP's model is built only where it must run
+        relaxed = integral_relaxation(q, gap)
+        if relaxed is not None:
+            return restore(records, relaxed[0]), relaxed[1], relaxed[2]
     m = build_model(q, backend)
-    stats.update(ilp_variables=m.solver.NumVariables(), mip_backend=backend)
+    stats.update(ilp_variables=m.solver.NumVariables())
     qhint = {i: hint[i] for i in q.time} if hint is not None else None
     seconds = deadline - _time.monotonic()
-    choice, status, bound = run_model(m, q, backend, seconds, qhint, deterministic, gap)
+    choice, status, bound = run_model(m, q, backend, seconds, qhint, deterministic, gap, lp_first=False)
     return (restore(records, choice) if choice is not None else None), status, bound
 
 
