@@ -407,6 +407,35 @@ def _check_recompute(per_rank, model, batches, free, budget):
     _collectives_as_planned(per_rank)
 
 
+def _searched_recompute_plan(case):
+    """The plan the default search builds for pp2 x dp2, 2 micro-batches, 1F1B under 80% of its budget-free
+    plan's memory: no memory row's plan splits within it, so `candidates.price` prices the budget-free
+    plan with full recompute (every layer but the last) and `auto.pipelined_plan` builds exactly that."""
+    from autopar.debug import PhaseTimer
+    from autopar.pipeline.auto import pipelined_plan
+    from autopar.pipeline.candidates import price
+    from autopar.pipeline.search import Profiler
+    prof = Profiler(case.model, case.args, PP_DP.hardware, PP_DP.devices_per_node)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        [free] = price(prof, 2, 2, 1, 2, ("1f1b",), None)
+        budget = 0.8 * free.memory_per_device
+        [searched] = price(prof, 2, 2, 1, 2, ("1f1b",), budget)
+        plan = pipelined_plan(prof, searched, case.model, budget, PhaseTimer())
+    assert searched.feasible and searched.recompute == ("transformer.h.0", "transformer.h.1", "transformer.h.2")
+    assert plan.recompute == searched.recompute and plan.mesh == PP_DP and plan.memory_per_device <= budget
+    return plan
+
+
+def _check_searched_recompute(per_rank, model, batches, planned):
+    """A plan the search found with full recompute trains like one process, re-running exactly its layers."""
+    _equal_fp32(per_rank, model, batches)
+    assert per_rank[0]["plan"] == planned.to_json()
+    ran = sorted({p for got in per_rank for p in got["recomputed"]})
+    assert ran == sorted(planned.recompute), (ran, planned.recompute)
+    _collectives_as_planned(per_rank)
+
+
 def _check_interleaved(per_rank, model, batches):
     """Interleaved 1F1B (4 chunks, rank d holding chunks d and d+2) in bf16 with a forced recompute list."""
     _equal_autocast(per_rank, model, batches, batch_split=True)
@@ -504,7 +533,7 @@ def test_pipelines_compose_at_world_4(tmp_path):
     """pp2 x dp2 in bf16 (bf16 gradient reduction); pp2 x tp2 in bf16 with sequence parallelism; pp2 x dp2 with recompute chosen by
     the solver under a budget; pp2 x dp2 with ZeRO-3 inside the stages; pp2 x dp2 of a meta-built model;
     ZeRO-3 + bf16 + a forced recompute list, saved and resumed through torch.distributed.checkpoint;
-    interleaved 1F1B in bf16 with a forced recompute list."""
+    interleaved 1F1B in bf16 with a forced recompute list; the full-recompute plan the search builds."""
     gpt = models.tiny_gpt(n_layer=4, batch=8, seq=16)
     batches = models.zoo_batches(gpt, STEPS)
     sp_case, sp_batches = _sp_case()
@@ -512,6 +541,7 @@ def test_pipelines_compose_at_world_4(tmp_path):
     free = _plan(gpt, mesh=PP_DP, strategy="dp")
     every = _plan(gpt, mesh=PP_DP, strategy="dp", recompute="all")
     budget = (free.memory_per_device + every.memory_per_device) / 2
+    searched = _searched_recompute_plan(gpt)
     config = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
     reduce16 = autopar.MixedPrecision(reduce_dtype=torch.bfloat16)
     jobs = [(train_job, gpt.model, batches, dict(mesh=PP_DP, strategy="dp", mixed_precision=reduce16), LR_BF16),
@@ -523,7 +553,8 @@ def test_pipelines_compose_at_world_4(tmp_path):
                                                   recompute=["transformer.h.1"]), str(tmp_path / "ckpt")),
             (train_job, gpt.model, batches, dict(mesh=PP_DP, strategy="dp", schedule="interleaved_1f1b",
                                                  num_microbatches=4, mixed_precision="bf16",
-                                                 recompute=["transformer.h.0", "transformer.h.2"]), LR_BF16)]
+                                                 recompute=["transformer.h.0", "transformer.h.2"]), LR_BF16),
+            (train_job, gpt.model, batches, dict(mesh=PP_DP, plan=searched))]
     results = run_distributed(run_each, 4, jobs, timeout=1200)
     assert_each(results, [(0, "pp2 x dp2 bf16", _check_bf16_dp, gpt.model, batches),
                           (1, "pp2 x tp2 bf16 + sequence parallel", _check_bf16_sp, sp_case.model, sp_batches,
@@ -533,7 +564,9 @@ def test_pipelines_compose_at_world_4(tmp_path):
                           (3, "pp2 x dp2 zero3", _check_zero3, gpt.model, batches),
                           (4, "pp2 x dp2 meta", _check_meta, config, [((a[0], a[1]), {}) for a, _ in batches]),
                           (5, "pp2 x dp2 zero3 bf16 recompute, resumed", _check_resume, gpt.model, batches),
-                          (6, "pp2 x dp2 interleaved bf16 recompute", _check_interleaved, gpt.model, batches)])
+                          (6, "pp2 x dp2 interleaved bf16 recompute", _check_interleaved, gpt.model, batches),
+                          (7, "pp2 x dp2 full recompute found by the search", _check_searched_recompute, gpt.model,
+                           batches, searched)])
 
 
 def test_zero_and_experts_in_stages_at_world_4():

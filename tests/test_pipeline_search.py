@@ -304,3 +304,33 @@ def test_a_fast_search_solves_no_memory_rows_for_a_candidate_no_faster_than_the_
     [c] = price(prof, 2, 1, 1, 4, ("1f1b",), 20e9, cutoff=free / SKIP_MARGIN)
     assert not c.feasible and c.reason.startswith(SKIPPED) and prof.rows == [(None, 1.0)], (c, prof.rows)
     assert price(_TradeOffProfiler(plans, 8), 2, 1, 1, 4, ("1f1b",), 20e9, cutoff=free / SKIP_MARGIN * 1.01) == exact
+
+
+def test_a_candidate_only_recompute_can_fit_is_bounded_with_its_rerun():
+    """`candidates._needs_recompute`: where one micro-batch's saved activations (at least the whole batch's on
+    one device over m k) exceed the budget on the fullest device whatever the split, only full recompute can
+    make the candidate fit, and its bound adds the re-run forward ops (`Profiler.rerun_seconds_bound`). A
+    4-layer Llama, pp2 x dp2, 2 micro-batches, 1F1B: the floor is below what the budget-free plan holds,
+    the stronger bound is below the step priced with recompute, and the pruned search finds the best of all."""
+    from autopar.pipeline.candidates import _needs_recompute, price
+    from autopar.pipeline.search import Profiler
+    from autopar.pipeline.stages import INTERLEAVE, step_lower_bound
+    case = models.tiny_llama(batch=16, seq=256, n_layer=4)
+    mesh = autopar.Mesh((4,), hardware="h100", devices_per_node=4)
+    prof = Profiler(case.model, case.args, mesh.hardware, 4, example_kwargs=case.kwargs)
+    budget = 12e6
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        [free] = price(prof, 2, 2, 1, 2, ("1f1b",), None)
+        [fit] = price(prof, 2, 2, 1, 2, ("1f1b",), budget)
+        every = search(case.model, case.args, mesh=mesh, memory_budget=budget, profiler=prof, prune=False,
+                       accumulate=False)
+        best = search(case.model, case.args, mesh=mesh, memory_budget=budget, profiler=prof, accumulate=False)
+    floor = prof.activation_floor(2, 2) / (1 / 2 + 1 / 1)   # 1F1B, pp 2, m 2: 2 and 1 micro-batches in flight
+    assert budget < floor <= free.memory_per_device
+    assert _needs_recompute(prof, 2, 2, 2, "1f1b", budget) and not _needs_recompute(prof, 2, 2, 2, "1f1b", floor)
+    ops, step = prof.seconds_bound(2, 2)
+    plain = step_lower_bound(ops, step, 2, 2, "1f1b", INTERLEAVE)
+    strong = step_lower_bound(ops + prof.rerun_seconds_bound(2, 2), step, 2, 2, "1f1b", INTERLEAVE)
+    assert fit.feasible and fit.recompute and plain < strong <= fit.step_time
+    assert best.best == every.best and len(best.candidates) < len(every.candidates)

@@ -34,7 +34,12 @@ one-device time (roofline on local FLOPs and bytes, both >= 1/k) nor less than i
 (`search.Profiler.seconds_bound`), edges cost >= 0, and the
 schedules' step time is >= f * S + P / pp for S the per-micro-batch seconds, P the per-step seconds,
 f = 1/v + (m - 1/v) / pp (`stages.step_lower_bound`); the second bound also charges the resharding of
-a spanning forest of the cost graph (`autopar.planning.forest_bound`). The fast search uses instead, on
+a spanning forest of the cost graph (`autopar.planning.forest_bound`). A candidate whose saved activations
+alone exceed the budget on its fullest device (`_needs_recompute`: the whole batch's one-device
+activations over m k, spread over the stages' in-flight counts) can only be priced with full recompute,
+so its first bound adds the re-run forward ops' floors (`search.Profiler.rerun_seconds_bound`): on
+Llama-3.1-405B x 2,048, where every candidate needs recompute, the bounds without it ignored a third of
+the work and pruned almost nothing. The fast search uses instead, on
 2-D sub-meshes, where the SPMD solve is a MIP, the LP relaxation of the group's layer quotient
 (`autopar.planning.lp_bound`, one LP per group, weighted for the least per-step ratio 1 / (f * pp) of
 its live candidates), a bound over tiled plans. The forest bound leaves out most communication: on
@@ -114,6 +119,9 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
         ops, step = prof.seconds_bound(m, dp * tp)
         for s in names:
             bound = step_lower_bound(ops, step, pp, m, s, INTERLEAVE)
+            if recompute and strategy is None and pp > 1 and _needs_recompute(prof, pp, dp * tp, m, s, budget):
+                rerun = prof.rerun_seconds_bound(m, dp * tp)   # only full recompute can make it fit (`price`)
+                bound = step_lower_bound(ops + rerun, step, pp, m, s, INTERLEAVE)
             groups.setdefault((m, *prof._inner(dp, tp, strategy)), []).append((bound, pp, dp, tp, m, s))
     found: list[Candidate] = []
     fastest: list[float] = []
@@ -150,6 +158,20 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
         stats.update(groups=len(groups), groups_priced=priced, lp_pruned=lp_pruned,
                      rows_skipped=sum(c.reason.startswith(SKIPPED) for c in found))
     return found
+
+
+def _needs_recompute(prof: Profiler, pp: int, k: int, m: int, schedule: str, budget: float | None) -> bool:
+    """No plan of this candidate fits `budget` without recompute: a device holding chunks c keeps
+    in-flight(c) x (c's share of one micro-batch's saved activations), so the fullest holds at least
+    `activation_floor` / Σ_c 1 / in-flight(c) (the least, over the shares, of the largest product),
+    state aside. `price` then prices it with full recompute or not at all."""
+    if budget is None:
+        return False
+    v = INTERLEAVE if schedule == "interleaved_1f1b" else 1
+    counts = [chunk_in_flight(schedule, pp, m, c, v) for c in range(pp * v)]
+    if min(counts) <= 0:   # a chunk that keeps nothing could hold every unit
+        return False
+    return prof.activation_floor(m, k) / sum(1.0 / c for c in counts) > budget
 
 
 def _per_microbatch(pp: int, m: int, schedule: str) -> float:

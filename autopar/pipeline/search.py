@@ -131,6 +131,7 @@ class Profiler:
         self.forests: dict = {}                             # the spanning forest of the last CostProblem bounded
         self.reshards: dict[tuple, ReshardCost] = {}        # layout pricing per sub-mesh, shared by every build
         self.spec_matrices: dict[tuple, dict] = {}          # ProblemBuilder's spec-pair matrices per sub-mesh, shared
+        self.graph_facts: dict[int, dict] = {}              # ProblemBuilder's graph-only facts per capture (id), shared
         self.weighted: dict[tuple, tuple] = {}              # (CostProblem key, weight) -> (CostProblem, CostGraph, cache)
         self.solutions: dict[tuple, object] = {}            # layers()'s key -> the solver's Solution (plans build from it)
         self.lp_bounds: dict[tuple, float] = {}             # (CostProblem key, ratio) -> `lp_bound`
@@ -179,6 +180,8 @@ class Profiler:
         builder.reshard = self.reshards.setdefault(key, builder.reshard)
         # and so are its priced (specs, specs, bytes) matrices: a weight's edges move the same bytes at every m
         builder.share_matrices(self.spec_matrices.setdefault(key, {}))
+        # and so is what depends on the capture's graph alone, which the search never changes
+        builder.share_graph_facts(self.graph_facts.setdefault(id(cap), {}))
         return builder
 
     @staticmethod
@@ -302,11 +305,31 @@ class Profiler:
             param = np.array([n.op == "placeholder" for n in prob.nodes], dtype=bool)
             hw = prob.mesh.hardware   # a parameter's step pays param_step_overhead, an op op_overhead
             launch = np.minimum(seconds, np.where(param, hw.param_step_overhead, hw.op_overhead))
-            self.floors[1] = (seconds, launch, param, len(set(unit_names(prob)[1])))
-        seconds, launch, param, _ = self.floors[1]
+            # what full recompute re-runs (`recomputed`: `recompute.copied_nodes` of every recomputable layer)
+            layers, rerun = recompute_mod.layer_nodes(cap.gm), set()
+            for path in recompute_mod.recomputable(cap.gm):
+                rerun.update(recompute_mod.copied_nodes(layers[path]))
+            saved = sum(float(np.min(mem["activations"])) for mem in prob.memory)
+            self.floors[1] = (seconds, launch, param, len(set(unit_names(prob)[1])),
+                              np.array([n in rerun for n in prob.nodes], dtype=bool), saved)
+        seconds, launch, param = self.floors[1][:3]
         per = np.maximum(seconds / (m * k), launch)
         once = np.maximum(seconds / k, launch)
         return float(per[~param].sum()), float(once[param].sum())
+
+    def rerun_seconds_bound(self, m: int, k: int) -> float:
+        """Per micro-batch seconds that the re-run forward of full recompute (`recomputed`) costs at
+        least, m micro-batches on k devices per stage: each re-run op max(t / (m k), c) (`seconds_bound`)."""
+        self.one_device_seconds(1)
+        seconds, launch, rerun = self.floors[1][0], self.floors[1][1], self.floors[1][4]
+        return float(np.maximum(seconds[rerun] / (m * k), launch[rerun]).sum())
+
+    def activation_floor(self, m: int, k: int) -> float:
+        """Bytes per device that one micro-batch's saved activations (of m, on k devices per stage) take
+        at least, summed over the stages: the whole batch's on one device over m k (a saved value grows
+        at most linearly with the batch and is split at most k ways)."""
+        self.one_device_seconds(1)
+        return self.floors[1][5] / (m * k)
 
     def num_units(self, m: int = 1) -> int:
         """How many units (`layer_costs`) the model's graph has: the same for every micro-batch

@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from autopar.costmodel.comm import coefficients, collective_time
 from autopar.costmodel.hardware import LinkSpec
 from autopar.placement import R, Spec, is_partial, is_shard, is_strided, local_fraction
@@ -148,6 +150,7 @@ class ReshardCost:
         self._by_id: dict[int, tuple[Spec, int]] = {}          # id(spec) -> (spec kept alive, its number)
         self._by_value: dict[Spec, int] = {}
         self._terms = lru_cache(maxsize=None)(self._step_terms)
+        self._affine: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}   # `matrix`'s coefficients
 
     def _number(self, spec: Spec) -> int:
         found = self._by_id.get(id(spec))
@@ -206,6 +209,48 @@ class ReshardCost:
                 templates = self._pairs[pair] = _templates(src, dst, self.axis_sizes)
             t = self._times[key] = self._compute(templates, float(nbytes), bucketed, gather_share) or 0.0
         return t
+
+    def matrix(self, a_specs: list, b_specs: list, nbytes: float, bucketed: bool = False,
+               gather_share: float = 1.0) -> np.ndarray:
+        """`time(a, b, nbytes, ...)` for every a in a_specs (rows) and b in b_specs (columns). A pair's
+        price is affine in the bytes, slope * nbytes + constant (a bucketed gradient's latencies times
+        min(1, nbytes / BUCKET_BYTES)), so each pair's coefficients are found once per mesh and every
+        byte count after is one array expression: the planner prices the same spec lists at the bytes of
+        every tensor and micro-batch size (Llama-3-70B's search: ~180k pair prices per sub-mesh)."""
+        key = (tuple(map(self._number, a_specs)), tuple(map(self._number, b_specs)), bucketed, gather_share)
+        coef = self._affine.get(key)
+        if coef is None:
+            slope, const = np.zeros((len(a_specs), len(b_specs))), np.zeros((len(a_specs), len(b_specs)))
+            for i, (a, na) in enumerate(zip(a_specs, key[0])):
+                for j, (b, nb) in enumerate(zip(b_specs, key[1])):
+                    if na != nb:
+                        slope[i, j], const[i, j] = self._coefficients(self._pair(a, b, na, nb), bucketed, gather_share)
+            coef = self._affine[key] = (slope, const)
+        slope, const = coef
+        nbytes = float(nbytes)
+        return slope * nbytes + (min(1.0, nbytes / BUCKET_BYTES) * const if bucketed else const)
+
+    def _pair(self, src: Spec, dst: Spec, ns: int, nd: int) -> list:
+        templates = self._pairs.get((ns, nd))
+        if templates is None:
+            templates = self._pairs[ns, nd] = _templates(src, dst, self.axis_sizes)
+        return templates
+
+    def _coefficients(self, templates: list, bucketed: bool, gather_share: float) -> tuple[float, float]:
+        """(seconds per byte, seconds) of `_compute`'s sum: bucketed, the constant is what
+        min(1, nbytes / BUCKET_BYTES) scales (latencies and sync)."""
+        slope = const = 0.0
+        sync = self.mesh.hardware.sync_latency
+        for kind, axis, frac, div in templates:
+            bw, hops, bandwidth, latency = self._terms(kind, axis)
+            slope += bw * frac / div / bandwidth
+            if bucketed:
+                const += hops * latency + sync
+            else:
+                share = gather_share if kind == "all_gather" else 1.0
+                latency = latency * share
+                const += hops * latency + LAUNCH_FRACTION * latency + share * sync
+        return slope, const
 
     def steps(self, src: Spec, dst: Spec, nbytes: float) -> list[Step]:
         return steps(src, dst, nbytes, self.axis_sizes)
