@@ -415,8 +415,7 @@ class ProblemBuilder:
 
     def _reduces(self, a_specs, b_specs) -> np.ndarray:
         """Per unique spec pair: does resharding a -> b all-reduce or reduce-scatter?"""
-        return np.array([[any(st.kind in ("all_reduce", "reduce_scatter") for st in self.reshard.steps(a, b, 1.0))
-                          for b in dict.fromkeys(b_specs)] for a in dict.fromkeys(a_specs)])
+        return self.reshard.reduces(list(dict.fromkeys(a_specs)), list(dict.fromkeys(b_specs)))
 
     def _spec_matrix(self, a_specs, b_specs, nbytes: float, bucketed: bool, gather_share: float = 1.0) -> np.ndarray:
         """reshard(a -> b) over the unique specs of each side, in first-seen order; identical layers

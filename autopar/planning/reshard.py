@@ -150,7 +150,7 @@ class ReshardCost:
         self._by_id: dict[int, tuple[Spec, int]] = {}          # id(spec) -> (spec kept alive, its number)
         self._by_value: dict[Spec, int] = {}
         self._terms = lru_cache(maxsize=None)(self._step_terms)
-        self._affine: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}   # `matrix`'s coefficients
+        self._affine: dict[tuple, np.ndarray] = {}   # `matrix`'s coefficients
 
     def _number(self, spec: Spec) -> int:
         found = self._by_id.get(id(spec))
@@ -213,22 +213,33 @@ class ReshardCost:
     def matrix(self, a_specs: list, b_specs: list, nbytes: float, bucketed: bool = False,
                gather_share: float = 1.0) -> np.ndarray:
         """`time(a, b, nbytes, ...)` for every a in a_specs (rows) and b in b_specs (columns). A pair's
-        price is affine in the bytes, slope * nbytes + constant (a bucketed gradient's latencies times
-        min(1, nbytes / BUCKET_BYTES)), so each pair's coefficients are found once per mesh and every
-        byte count after is one array expression: the planner prices the same spec lists at the bytes of
-        every tensor and micro-batch size (Llama-3-70B's search: ~180k pair prices per sub-mesh)."""
-        key = (tuple(map(self._number, a_specs)), tuple(map(self._number, b_specs)), bucketed, gather_share)
+        price is affine in the bytes and in `gather_share`: slope * nbytes + fixed + gather_share *
+        gathered (a bucketed gradient's latencies times min(1, nbytes / BUCKET_BYTES) instead), so each
+        pair's coefficients are found once per mesh and every tensor after is one array expression: the
+        planner prices the same spec lists at the bytes of every tensor, micro-batch size and layer share
+        (Llama-3-70B's search: ~1.8M pair prices without this)."""
+        key = (tuple(map(self._number, a_specs)), tuple(map(self._number, b_specs)), bucketed)
         coef = self._affine.get(key)
         if coef is None:
-            slope, const = np.zeros((len(a_specs), len(b_specs))), np.zeros((len(a_specs), len(b_specs)))
+            coef = np.zeros((3, len(a_specs), len(b_specs)))
             for i, (a, na) in enumerate(zip(a_specs, key[0])):
                 for j, (b, nb) in enumerate(zip(b_specs, key[1])):
                     if na != nb:
-                        slope[i, j], const[i, j] = self._coefficients(self._pair(a, b, na, nb), bucketed, gather_share)
-            coef = self._affine[key] = (slope, const)
-        slope, const = coef
+                        coef[:, i, j] = self._coefficients(self._pair(a, b, na, nb), bucketed)
+            self._affine[key] = coef
+        slope, fixed, gathered = coef
         nbytes = float(nbytes)
-        return slope * nbytes + (min(1.0, nbytes / BUCKET_BYTES) * const if bucketed else const)
+        if bucketed:
+            return slope * nbytes + min(1.0, nbytes / BUCKET_BYTES) * fixed
+        return slope * nbytes + fixed + gather_share * gathered
+
+    def reduces(self, a_specs: list, b_specs: list) -> np.ndarray:
+        """Per (a, b): does resharding a -> b all-reduce or reduce-scatter? Cached per pair."""
+        out = np.zeros((len(a_specs), len(b_specs)), dtype=bool)
+        for i, (a, na) in enumerate(zip(a_specs, map(self._number, a_specs))):
+            for j, (b, nb) in enumerate(zip(b_specs, map(self._number, b_specs))):
+                out[i, j] = na != nb and any(t[0] in ("all_reduce", "reduce_scatter") for t in self._pair(a, b, na, nb))
+        return out
 
     def _pair(self, src: Spec, dst: Spec, ns: int, nd: int) -> list:
         templates = self._pairs.get((ns, nd))
@@ -236,21 +247,21 @@ class ReshardCost:
             templates = self._pairs[ns, nd] = _templates(src, dst, self.axis_sizes)
         return templates
 
-    def _coefficients(self, templates: list, bucketed: bool, gather_share: float) -> tuple[float, float]:
-        """(seconds per byte, seconds) of `_compute`'s sum: bucketed, the constant is what
-        min(1, nbytes / BUCKET_BYTES) scales (latencies and sync)."""
-        slope = const = 0.0
+    def _coefficients(self, templates: list, bucketed: bool) -> tuple[float, float, float]:
+        """(seconds per byte, fixed seconds, seconds per unit of gather_share) of `_compute`'s sum;
+        bucketed, the fixed part is what min(1, nbytes / BUCKET_BYTES) scales (latencies and sync)."""
+        slope = fixed = gathered = 0.0
         sync = self.mesh.hardware.sync_latency
         for kind, axis, frac, div in templates:
             bw, hops, bandwidth, latency = self._terms(kind, axis)
             slope += bw * frac / div / bandwidth
             if bucketed:
-                const += hops * latency + sync
+                fixed += hops * latency + sync
+            elif kind == "all_gather":   # its latencies, launch and sync scale with the share
+                gathered += hops * latency + LAUNCH_FRACTION * latency + sync
             else:
-                share = gather_share if kind == "all_gather" else 1.0
-                latency = latency * share
-                const += hops * latency + LAUNCH_FRACTION * latency + share * sync
-        return slope, const
+                fixed += hops * latency + LAUNCH_FRACTION * latency + sync
+        return slope, fixed, gathered
 
     def steps(self, src: Spec, dst: Spec, nbytes: float) -> list[Step]:
         return steps(src, dst, nbytes, self.axis_sizes)
