@@ -190,6 +190,8 @@ def layout(plan) -> str:
     rc = f", rc {len(plan.recompute)}" if plan.recompute else ""
     if pp > 1:
         return f"pp{plan.mesh.shape[0]} x ({sub}) m{plan.num_microbatches} {plan.schedule}{rc}"
+    if plan.stages:   # one stage of several micro-batches: gradient accumulation
+        return f"accumulate ({sub}) m{plan.num_microbatches}{rc}"
     return f"spmd {sub}{rc}"
 
 

@@ -349,6 +349,7 @@ def totals_lines(plan) -> list[str]:
     overhead = plan.mesh.hardware.runtime_overhead   # measured per step on this machine (calibration)
     bubble = max(0.0, plan.predicted_step_time - plan.predicted_compute_time - plan.predicted_comm_time - overhead) \
         if plan.stages else 0.0
+    bubble = bubble if bubble > 1e-9 * plan.predicted_step_time else 0.0   # float rounding of a bubble-free step
     mem = plan.memory_breakdown
     budget = "no budget" if plan.memory_budget is None else \
         f"budget {format_bytes(plan.memory_budget)} ({100 * plan.memory_per_device / plan.memory_budget:.0f}% used)"
@@ -408,6 +409,10 @@ def stage_lines(plan) -> list[str]:
     p, m, v = len(devices), plan.num_microbatches, len(plan.stages) // len(devices)
     bubble = plan.solver.get("bubble_fraction", (p - 1) / (v * m + p - 1))
     chunks = f" x {v} chunks per device" if v > 1 else ""
+    if p == 1:   # one stage: gradient accumulation, no pipeline
+        st = plan.stages[0]
+        return [f"pipeline  none: gradient accumulation over {m} micro-batches, one optimizer step; "
+                f"{format_seconds(st.predicted_time)}/micro-batch  {format_bytes(st.memory)}"]
     lines = [f"pipeline  {p} stages{chunks}, {m} micro-batches, schedule {plan.schedule}, "
              f"predicted bubble {100 * bubble:.0f}% of the step"]
     for d, (ranks, held) in enumerate(devices.items()):

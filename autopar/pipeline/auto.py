@@ -15,7 +15,10 @@ One capture of the whole batch (under the mixed-precision policy, with `example_
      plan found (`spmd.PlanCutoff`); else the plan's table says so, with that bound. Where that plan
      fits, nothing waits.
   2. pp >= 2: the pipeline candidates of `autopar.pipeline.search` (pp x dp x tp with tp inside a
-     node, micro-batch counts, the runtime's schedules), by branch and bound with the fastest SPMD
+     node, micro-batch counts, the runtime's schedules), and gradient accumulation (pp = 1 with m = 2 or
+     4 micro-batches on each dp x tp sub-mesh: one stage, the micro-batches one after another, their
+     gradients reduced once per step; activations of one micro-batch held, no bubble; the pipelined
+     runtime runs it on a mesh whose "pp" axis has one device), by branch and bound with the fastest SPMD
      plan's step as the incumbent: a candidate is priced (its micro-batch graph captured, its stage
      SPMD problem solved) only if a lower bound of its step is below the best found so far. The bound
      needs no further capture (`Profiler.one_device_seconds`: the whole batch's one-device seconds
@@ -168,10 +171,13 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     if pipelines:
         schedules = (schedule,) if schedule else pipelined.SCHEDULES
         with timer("search"):   # the bounds' one-device problem of the whole batch (unit count included)
-            jobs = candidate_jobs(prof, mesh, batch_size(example_inputs), schedules, num_microbatches,
-                                  list(range(2, mesh.size + 1)), accumulate=False)
+            # pp = 1 with m > 1 is gradient accumulation (one stage, the micro-batches one after another:
+            # activations of one micro-batch held); pp = 1, m = 1 is the SPMD plan planned above
+            jobs = [job for job in candidate_jobs(prof, mesh, batch_size(example_inputs), schedules, num_microbatches,
+                                                  list(range(1, mesh.size + 1)))
+                    if job[0] > 1 or job[3] > 1]
             least = min((step_lower_bound(*prof.seconds_bound(m, dp * tp), pp, m, s, INTERLEAVE)
-                         for pp, dp, tp, m, names in jobs for s in names), default=float("inf"))
+                         for pp, dp, tp, m, names in jobs if pp > 1 for s in names), default=float("inf"))
             if flat is not None:
                 log(1, f"fast rule: the 1-D SPMD plan {flat.predicted_step_time:.4g} s = "
                        f"{flat.predicted_step_time / least:.3g} x the least pipeline bound {least:.4g} s "
@@ -275,6 +281,8 @@ def _splits_batch(example_inputs) -> bool:
 
 
 def _label(c: Candidate) -> str:
+    if c.pp == 1:   # one stage: gradient accumulation
+        return f"accumulate dp{c.dp} tp{c.tp} m{c.num_microbatches}"
     return f"pp{c.pp} dp{c.dp} tp{c.tp} m{c.num_microbatches} {c.schedule}" + (" recompute" if c.recompute else "")
 
 

@@ -118,6 +118,8 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
     for pp, dp, tp, m, names in jobs:
         ops, step = prof.seconds_bound(m, dp * tp)
         for s in names:
+            if pp == 1 and strategy is None and _needs_recompute(prof, 1, dp * tp, m, s, budget):
+                continue   # accumulation that only recompute could fit: `price` prices none for one stage
             bound = step_lower_bound(ops, step, pp, m, s, INTERLEAVE)
             if recompute and strategy is None and pp > 1 and _needs_recompute(prof, pp, dp * tp, m, s, budget):
                 rerun = prof.rerun_seconds_bound(m, dp * tp)   # only full recompute can make it fit (`price`)

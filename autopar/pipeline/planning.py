@@ -326,7 +326,9 @@ def widen(one_stage: Plan, mesh: Mesh, layers, split, m: int, schedule: str, bud
         sum(l.state_bytes for l in layers), 1.0)
     state = {k: v * share for k, v in one_stage.memory_breakdown.items() if k != "activations"}
     breakdown = {**state, "activations": max(0.0, float(split.stage_memory[fullest]) - sum(state.values()))}
-    busy = m * float(max(split.stage_times))  # the slowest stage's work; the rest of the step is bubble
+    # a device's mean busy time (its chunks' micro-batches and its per-step work: gradient sync, optimizer):
+    # the step less the schedule's bubble and the runtime's per-step overhead (`stages.partition`)
+    busy = (1.0 - split.bubble_fraction) * (float(split.step_time) - mesh.hardware.runtime_overhead)
     compute_share = one_stage.predicted_compute_time / max(
         one_stage.predicted_compute_time + one_stage.predicted_comm_time, 1e-30)
     reason = one_stage.infeasible_reason or ("" if budget is None or max(split.stage_memory) <= budget else

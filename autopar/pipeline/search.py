@@ -23,7 +23,6 @@ A forced `strategy` per sub-mesh axis turns the same machinery into the hand-wri
 """
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from dataclasses import dataclass, field
 
@@ -447,19 +446,3 @@ def to_plan(result: SearchResult, model, *, memory_budget=None, optimizer: str =
     return pipelined.plan_pipelined_captured(
         result.captured, model, result.microbatch_inputs, mesh=result.mesh, num_microbatches=best.num_microbatches,
         schedule=best.schedule, memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit)
-
-
-def plan_searched(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimizer: str = "adamw",
-                  loss_fn=None, time_limit=None, num_microbatches=None, schedule=None, baselines: bool = True):
-    """`autopar.plan(..., num_stages="auto")`: search pipeline x data x tensor parallel layouts of
-    `mesh.size` devices among the plans the runtime can run (GPipe, 1F1B, interleaved 1F1B with
-    INTERLEAVE chunks per device; no gradient accumulation without stages) and return the best one's
-    Plan, its runners-up in `Plan.baselines`. The Plan's mesh is the chosen layout ("pp" first when
-    pipelined), which `autoparallelize` then uses."""
-    schedules = (schedule,) if schedule else pipelined.SCHEDULES
-    result = search(model, example_inputs, mesh=mesh, memory_budget=memory_budget, schedules=schedules,
-                    num_microbatches=num_microbatches, optimizer=optimizer, loss_fn=loss_fn, time_limit=time_limit,
-                    accumulate=False, exact_top=5)   # the 5 fastest are exact: they are the plan's baselines
-    plan = to_plan(result, model, memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit)
-    table = result.baseline_table(5) if baselines else {}
-    return dataclasses.replace(plan, baselines={**plan.baselines, **table})

@@ -227,10 +227,14 @@ def _verdict(rows: tuple[ScalingRow, ...], hw_name: str, batch: int, threshold: 
 def _cause(r: ScalingRow) -> str:
     """What the lost time (step minus the ideal share) is made of."""
     p = r.plan
-    if len(getattr(p, "stages", ())) > 1:
-        return "bubble"
     ideal = r.predicted_step_time * r.efficiency
     undivided = max(0.0, p.predicted_compute_time - ideal)
+    bubble = 0.0
+    if len(getattr(p, "stages", ())) > 1:   # the schedule's idle time: the step less every device's work
+        bubble = p.predicted_step_time - p.predicted_compute_time - p.predicted_comm_time - \
+            p.mesh.hardware.runtime_overhead
+    if bubble > max(p.predicted_comm_time, undivided):
+        return "bubble"
     return "communication" if p.predicted_comm_time >= undivided else "compute"
 
 
