@@ -37,6 +37,7 @@ class InfeasiblePlanError(AutoparError):
         super().__init__(message)
         self.min_memory_per_device = min_memory_per_device
         self.budget = budget
+        self.baselines: dict = {}   # the recipes priced before the plan was refused (Plan.baselines' form)
 
 
 class PlanMismatchError(AutoparError):

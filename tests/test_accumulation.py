@@ -47,6 +47,9 @@ def test_the_default_search_accumulates_where_smaller_micro_batches_on_one_stage
         [c.step_time for c in piped if c.feasible]
     assert len(rivals) >= 2 and all(plan.predicted_step_time < t for t in rivals), (plan.baselines, piped)
     assert "gradient accumulation over 2 micro-batches" in plan.summary()
+    # the textbook recipes of the caller's mesh, whose SPMD plan does not fit, are listed with what they need
+    assert {"dp", "zero3", "tp"} <= set(plan.baselines), plan.baselines
+    assert not plan.baselines["dp"]["feasible"] and plan.baselines["dp"]["memory"] > budget
 
 
 def _accumulation_plan(case, mesh):

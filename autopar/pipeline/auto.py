@@ -107,6 +107,7 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     prof.captures[1] = (captured, tuple(example_inputs))   # the whole batch: the bounds' graph
     pipelines = pipelines and mesh.size > 1 and recompute in (None, "auto", "none") and _splits_batch(example_inputs)
     plans, floors, deferred = [], [], []
+    refused: dict = {}   # the recipes priced on the caller's mesh where its SPMD plan does not fit
 
     def plan_spmd(k: int, spmd_mesh: Mesh, cutoff: float | None, resume: spmd.PlanCutoff | None = None,
                   rc=recompute) -> float:
@@ -120,6 +121,8 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
             step = plans[-1].predicted_step_time if plans[-1].feasible else step
         except InfeasiblePlanError as e:
             floors.append(e)
+            if k == 0:   # the caller's mesh: its recipes' table still goes in the summary
+                refused.update(e.baselines)
         except spmd.PlanCutoff as e:
             deferred.append((k, spmd_mesh, e))
         for name, seconds in phases.items():
@@ -221,7 +224,8 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
         raise _infeasible(model, mesh, budget, optimizer, plans, floors, found, pipelines, policy)
     timer["total"] = sum(v for k, v in timer.items() if k != "total")
     # the recipes priced on the caller's mesh (k = 0), whichever shape won, solved or cut
-    caller_recipes = [p.baselines for p in plans if p.mesh == mesh] + [c.state[1] for k, _, c in deferred if k == 0]
+    caller_recipes = [p.baselines for p in plans if p.mesh == mesh] + [c.state[1] for k, _, c in deferred if k == 0] \
+        + ([refused] if refused else [])
     table = {**(caller_recipes[0] if caller_recipes else best.baselines), **pruned}
     for p in plans:   # the other shapes of the devices (regrid's last-resort grids stay out of the summary)
         if p is not best and p.feasible and all(p is not q for q in more):

@@ -110,7 +110,8 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
     quotient instead of the forest (`Profiler.lp_bound`: over tiled plans, which the budget-free solve
     returns; a memory row's full-graph fallback may not be tiled; on Llama-3-70B x 64 the forests, ~20
     CPU s, skipped no candidate the LP kept), and `price` solves no memory rows for a
-    candidate whose budget-free plan splits SKIP_MARGIN times slower than the best found or more.
+    candidate whose budget-free plan splits SKIP_MARGIN times slower than the best found or more; and
+    gradient accumulation (pp = 1, m > 1) is priced after every pipeline group, under their cutoff.
     `stats` (a dict) receives groups, groups_priced (those where some candidate was priced),
     lp_pruned (candidates the LP bound skipped) and rows_skipped. `recompute=False`: no candidate is
     priced with recompute (`price`)."""
@@ -124,14 +125,17 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
             if recompute and strategy is None and pp > 1 and _needs_recompute(prof, pp, dp * tp, m, s, budget):
                 rerun = prof.rerun_seconds_bound(m, dp * tp)   # only full recompute can make it fit (`price`)
                 bound = step_lower_bound(ops + rerun, step, pp, m, s, INTERLEAVE)
-            groups.setdefault((m, *prof._inner(dp, tp, strategy)), []).append((bound, pp, dp, tp, m, s))
+            # fast: gradient accumulation (one stage) after every pipeline, under their cutoff (its memory
+            # rows are tight 2-D MIPs: Llama-13B x 16, 40 GB, 23 and 105 CPU s before any pipeline was priced)
+            later = fast and pp == 1 and strategy is None
+            groups.setdefault((later, m, *prof._inner(dp, tp, strategy)), []).append((bound, pp, dp, tp, m, s))
     found: list[Candidate] = []
     fastest: list[float] = []
     cutoff = incumbent
     priced = lp_pruned = 0
-    for group in sorted(groups.values(), key=lambda g: min(g)[0]):   # stable: enumeration order on ties
+    for _, group in sorted(groups.items(), key=lambda kv: (kv[0][0], min(kv[1])[0])):   # stable on ties
         if min(group)[0] > cutoff:
-            break  # every later group's least bound is larger still
+            continue  # (the later groups of its kind have larger least bounds still)
         priced_here = False
         # the forest and LP bounds need the group's CostProblem: worth building first only where the solve
         # is the costly 2-D one (auto on a dp x tp sub-mesh); 1-D and forced-recipe groups solve by the DP
@@ -195,9 +199,10 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
     only makes the SPMD plan's total slower, but not always its split's step: the row's plan spreads
     its time over the units differently (Llama-3-70B x 64 H100s, bf16, pp4 x dp4 x tp4, m 8,
     interleaved: 5.303 s budget-free, 5.291 s under its row; the other rows measured that split, +10.4%
-    and +11.6%), hence the margin, and exact search prices every row. The rows are the search's
-    costly part: 2-D memory-row MIPs of 20-150 CPU s each on Llama-3-70B (HiGHS at the root node,
-    cuts and sub-MIPs)."""
+    and +11.6%), hence the margin, and exact search prices every row. Under a `cutoff` one stage
+    (accumulation) tries its budget-free plan first too, where otherwise its first row is the budget
+    itself. The rows are the search's costly part: 2-D memory-row MIPs of 20-150 CPU s each on
+    Llama-3-70B (HiGHS at the root node, cuts and sub-MIPs)."""
     full = Mesh((pp, dp, tp), ("pp", "dp", "tp"), prof.hardware, prof.dpn)
     p2p = (lambda nbytes: full.p2p_time(nbytes, "pp")) if pp > 1 else (lambda nbytes: 0.0)
     out = []
@@ -214,6 +219,8 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
 
         counts = [chunk_in_flight(schedule, pp, m, c, v) for c in range(pp * v)]   # micro-batches each chunk keeps
         rows, k, fewest = _rows(pp, counts, budget), 0, min(counts)
+        if pp == 1 and cutoff is not None and budget is not None:
+            rows.insert(0, (None, 1.0))   # fast: the budget-free plan first, its rows only if it could win
         while k < len(rows):
             (row, w), k = rows[k], k + 1
             if held is not None and row is not None and held[0] + w * held[1] <= row:

@@ -88,7 +88,11 @@ def plan_captured(captured, model, example_inputs, *, mesh, strategy="auto", mem
             free = budget_free(prob, time_limit)   # kept in prob.solver_cache: the solves below recall it
             if free.memory > budget and free.lower_bound >= cutoff:   # a bound, not the plan: a limit may stop it
                 raise PlanCutoff(free.lower_bound, (prob, table, solutions))
-        sol, reason, rc = _solve_with_recompute(prob, captured, mesh, wanted, solutions, time_limit, recompute)
+        try:
+            sol, reason, rc = _solve_with_recompute(prob, captured, mesh, wanted, solutions, time_limit, recompute)
+        except InfeasiblePlanError as e:
+            e.baselines = table   # what each recipe needs: the layout search lists them beside its plan
+            raise
     return assemble.with_recompute(assemble_plan(prob, captured, mesh, strategy, wanted, budget, sol, reason, table, timer,
                                              model, example_inputs), prob, sol.choice, rc)
 
