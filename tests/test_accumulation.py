@@ -17,7 +17,7 @@ from autopar._testing.dist_cases import train_reference
 from autopar._testing.dist_utils import run_distributed
 from autopar.debug import PhaseTimer
 from autopar.pipeline.auto import pipelined_plan
-from autopar.pipeline.candidates import price
+from autopar.pipeline.candidates import branch_and_bound, price
 from autopar.pipeline.search import Profiler
 
 REL = 1e-9
@@ -50,6 +50,35 @@ def test_the_default_search_accumulates_where_smaller_micro_batches_on_one_stage
     # the textbook recipes of the caller's mesh, whose SPMD plan does not fit, are listed with what they need
     assert {"dp", "zero3", "tp"} <= set(plan.baselines), plan.baselines
     assert not plan.baselines["dp"]["feasible"] and plan.baselines["dp"]["memory"] > budget
+
+
+def test_fast_search_prices_accumulation_rows_after_the_rest_and_finds_the_exact_best():
+    """search="fast": one-stage candidates are priced first by their budget-free plan alone; those whose
+    plan does not fit so (their memory rows to solve) wait until every other candidate is priced, here
+    two micro-batches after four at half the budget-free plan's memory. The fastest found is the fastest
+    of pricing every candidate on its own, as the exact search does."""
+    case = models.meta_gpt(n_layer=2, n_embd=256, n_head=4, batch=32, seq=256)
+    mesh = autopar.Mesh((2,), hardware="h100")
+    jobs = [(1, 1, 2, 2, ("1f1b",)), (1, 2, 1, 2, ("1f1b",)), (1, 1, 2, 4, ("1f1b",)), (1, 2, 1, 4, ("1f1b",)),
+            (2, 1, 1, 2, ("gpipe", "1f1b")), (2, 1, 1, 4, ("gpipe", "1f1b"))]
+
+    def profiler():
+        return Profiler(case.model, case.example_inputs, mesh.hardware, mesh.devices_per_node)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        free = autopar.plan(case.model, case.example_inputs, mesh=mesh, baselines=False, num_stages=None)
+        for share, waits in ((0.8, False), (0.5, True)):
+            budget = share * free.memory_per_device
+            found = branch_and_bound(profiler(), jobs, budget, None, keep=1, fast=True, recompute=False)
+            alone = [c for pp, dp, tp, m, names in jobs for c in price(profiler(), pp, dp, tp, m, names, budget,
+                                                                         recompute=False)]
+            assert min(c.step_time for c in found if c.feasible) == \
+                pytest.approx(min(c.step_time for c in alone if c.feasible), rel=REL), (found, alone)
+            first = [i for i, c in enumerate(found) if c.pp > 1 or (c.feasible and c.inner_budget is None)]
+            waited = [i for i, c in enumerate(found) if i not in first]
+            assert bool(waited) == waits and all(i > j for i in waited for j in first), found
+            assert all(found[i].num_microbatches == 2 for i in waited), found
 
 
 def _accumulation_plan(case, mesh):

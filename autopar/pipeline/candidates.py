@@ -111,7 +111,8 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
     returns; a memory row's full-graph fallback may not be tiled; on Llama-3-70B x 64 the forests, ~20
     CPU s, skipped no candidate the LP kept), and `price` solves no memory rows for a
     candidate whose budget-free plan splits SKIP_MARGIN times slower than the best found or more; and
-    gradient accumulation (pp = 1, m > 1) is priced after every pipeline group, under their cutoff.
+    gradient accumulation (pp = 1, m > 1) is priced by its budget-free plan alone in bound order, and
+    under its memory rows only after every pipeline group, under their cutoff.
     `stats` (a dict) receives groups, groups_priced (those where some candidate was priced),
     lp_pruned (candidates the LP bound skipped) and rows_skipped. `recompute=False`: no candidate is
     priced with recompute (`price`)."""
@@ -125,25 +126,31 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
             if recompute and strategy is None and pp > 1 and _needs_recompute(prof, pp, dp * tp, m, s, budget):
                 rerun = prof.rerun_seconds_bound(m, dp * tp)   # only full recompute can make it fit (`price`)
                 bound = step_lower_bound(ops + rerun, step, pp, m, s, INTERLEAVE)
-            # fast: gradient accumulation (one stage) after every pipeline, under their cutoff (its memory
-            # rows are tight 2-D MIPs: Llama-13B x 16, 40 GB, 23 and 105 CPU s before any pipeline was priced)
-            later = fast and pp == 1 and strategy is None
-            groups.setdefault((later, m, *prof._inner(dp, tp, strategy)), []).append((bound, pp, dp, tp, m, s))
+            groups.setdefault((m, *prof._inner(dp, tp, strategy)), []).append((bound, pp, dp, tp, m, s))
     found: list[Candidate] = []
     fastest: list[float] = []
     cutoff = incumbent
     priced = lp_pruned = 0
-    for _, group in sorted(groups.items(), key=lambda kv: (kv[0][0], min(kv[1])[0])):   # stable on ties
-        if min(group)[0] > cutoff:
-            continue  # (the later groups of its kind have larger least bounds still)
+    # fast: gradient accumulation (one stage) is priced in bound order by its budget-free plan only; one that
+    # does not fit waits until every pipeline group has set the cutoff (its memory rows are tight 2-D MIPs:
+    # Llama-13B x 16, 40 GB, 23 and 105 CPU s before any pipeline was priced), while one that fits sets the
+    # cutoff early (Llama-3-70B x 64: 1 x 8 x 8, m 2 fits, and a pipeline group's rows are then skipped)
+    waiting: list[tuple] = []
+    ordered = sorted(groups.values(), key=lambda group: min(group)[0])   # stable on ties
+    last = False   # the accumulation that waited, priced under the pipelines' cutoff
+    for group in ordered + [[]]:
+        if not group:   # every pipeline group done
+            group, last = sorted(waiting), True
+        if not group or min(group)[0] > cutoff:
+            continue  # (the later groups have larger least bounds still)
         priced_here = False
         # the forest and LP bounds need the group's CostProblem: worth building first only where the solve
         # is the costly 2-D one (auto on a dp x tp sub-mesh); 1-D and forced-recipe groups solve by the DP
-        costly = strategy is None and min(group[0][2], group[0][3]) > 1
         ratio = None   # the LP bound's per-step weight, one per group (the least its live candidates need)
         for bound, pp, dp, tp, m, s in group:
             if bound > cutoff:
                 continue
+            costly = strategy is None and min(dp, tp) > 1
             if costly and not fast and cutoff < float("inf") and prof.forest_bound(m, dp, tp, strategy, pp, s) > cutoff:
                 continue
             if costly and fast and cutoff < float("inf"):   # the LP bound in place of the forest
@@ -153,7 +160,12 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
                 if _per_microbatch(pp, m, s) * prof.lp_bound(m, dp, tp, strategy, ratio) > cutoff:
                     lp_pruned += 1
                     continue
-            new = price(prof, pp, dp, tp, m, (s,), budget, strategy, cutoff if fast else None, recompute)
+            free_only = fast and pp == 1 and strategy is None and not last
+            new = price(prof, pp, dp, tp, m, (s,), budget, strategy, cutoff if fast else None, recompute,
+                        free_only=free_only)
+            if free_only and not any(c.feasible or c.reason.startswith(SKIPPED) for c in new):
+                waiting.append((bound, pp, dp, tp, m, s))
+                continue
             found += new
             priced_here = True
             fastest = sorted(fastest + [c.step_time for c in new if c.feasible])[:keep]
@@ -190,7 +202,7 @@ def _per_step(pp: int, m: int, schedule: str) -> float:
 
 
 def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, strategy=None,
-          cutoff: float | None = None, recompute: bool = True) -> list[Candidate]:
+          cutoff: float | None = None, recompute: bool = True, free_only: bool = False) -> list[Candidate]:
     """Candidates of one (pp, dp, tp, m) for each schedule: the loosest SPMD memory row whose split fits,
     else (`recompute`, auto only) the first of those rows' plans that splits with full recompute.
     `cutoff` (search="fast"): when the budget-free plan does not split under the budget, its split
@@ -202,7 +214,8 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
     and +11.6%), hence the margin, and exact search prices every row. Under a `cutoff` one stage
     (accumulation) tries its budget-free plan first too, where otherwise its first row is the budget
     itself. The rows are the search's costly part: 2-D memory-row MIPs of 20-150 CPU s each on
-    Llama-3-70B (HiGHS at the root node, cuts and sub-MIPs)."""
+    Llama-3-70B (HiGHS at the root node, cuts and sub-MIPs). `free_only` (one stage): the budget-free
+    plan alone, no row (its candidate comes back infeasible when that plan does not fit)."""
     full = Mesh((pp, dp, tp), ("pp", "dp", "tp"), prof.hardware, prof.dpn)
     p2p = (lambda nbytes: full.p2p_time(nbytes, "pp")) if pp > 1 else (lambda nbytes: 0.0)
     out = []
@@ -219,8 +232,9 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
 
         counts = [chunk_in_flight(schedule, pp, m, c, v) for c in range(pp * v)]   # micro-batches each chunk keeps
         rows, k, fewest = _rows(pp, counts, budget), 0, min(counts)
-        if pp == 1 and cutoff is not None and budget is not None:
+        if pp == 1 and (cutoff is not None or free_only) and budget is not None:
             rows.insert(0, (None, 1.0))   # fast: the budget-free plan first, its rows only if it could win
+            rows = rows[:1] if free_only else rows
         while k < len(rows):
             (row, w), k = rows[k], k + 1
             if held is not None and row is not None and held[0] + w * held[1] <= row:
