@@ -137,9 +137,9 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
     # cutoff early (Llama-3-70B x 64: 1 x 8 x 8, m 2 fits, and a pipeline group's rows are then skipped)
     waiting: list[tuple] = []
     ordered = sorted(groups.values(), key=lambda group: min(group)[0])   # stable on ties
-    last = False   # the accumulation that waited, priced under the pipelines' cutoff
+    last = False   # pricing the accumulation that waited, under the cutoff of the rest
     for group in ordered + [[]]:
-        if not group:   # every pipeline group done
+        if not group:   # every other candidate priced: the accumulation that waited
             group, last = sorted(waiting), True
         if not group or min(group)[0] > cutoff:
             continue  # (the later groups have larger least bounds still)
@@ -233,8 +233,8 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
         counts = [chunk_in_flight(schedule, pp, m, c, v) for c in range(pp * v)]   # micro-batches each chunk keeps
         rows, k, fewest = _rows(pp, counts, budget), 0, min(counts)
         if pp == 1 and (cutoff is not None or free_only) and budget is not None:
-            rows.insert(0, (None, 1.0))   # fast: the budget-free plan first, its rows only if it could win
-            rows = rows[:1] if free_only else rows
+            # fast: the budget-free plan first, its rows only if it could win (`free_only`: that plan alone)
+            rows = [(None, 1.0)] + ([] if free_only else rows)
         while k < len(rows):
             (row, w), k = rows[k], k + 1
             if held is not None and row is not None and held[0] + w * held[1] <= row:
