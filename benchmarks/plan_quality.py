@@ -146,7 +146,7 @@ def best_recomputed(prof, budget, kw: dict, cutoff: float):
     for bound, pp, dp, tp, m, schedule, v in sorted(jobs):
         if bound > min(cutoff, best[0] if best else float("inf")):
             break
-        layers = _try(lambda: _recomputed_layers(prof, m, dp, tp, kw["strategy"]))
+        layers = _try(lambda: _recomputed_layers(prof, pp, m, dp, tp, kw["strategy"]))
         if layers is None:
             continue
         full = Mesh((pp, dp, tp), ("pp", "dp", "tp"), prof.hardware, prof.dpn)
@@ -157,19 +157,23 @@ def best_recomputed(prof, budget, kw: dict, cutoff: float):
     return best
 
 
-def _recomputed_layers(prof, m, dp, tp, strategy):
-    """The unit costs of the (m, dp, tp) SPMD plan of `strategy` with every layer recomputed, cached."""
+def _recomputed_layers(prof, pp, m, dp, tp, strategy):
+    """The unit costs of the (m, dp, tp) SPMD plan of `strategy` with every layer recomputed, cached: solved,
+    as the search solves its stage plans, for the pipeline's weighting of per-step seconds
+    (`stages.step_weight`; pp = devices / (dp tp), so (m, dp, tp) fixes it), priced unweighted."""
     from autopar.pipeline.layer_profile import layer_costs
+    from autopar.pipeline.stages import step_weight
     from autopar.planning import recompute
     key = ("ac", m, dp, tp, repr(sorted(strategy.items())))
     if key not in prof.profiles:
         prob = prof.problem(m, dp, tp, strategy)
         cap, _ = prof.captured(m)
-        held, prob.cg.memory_budget = prob.cg.memory_budget, None   # the split enforces the budget
+        held = prob.cg   # the split enforces the budget: the weighted graph has no memory row
+        prob.cg = prof._weighted(prob, (m, *prof._inner(dp, tp, strategy)), 1.0, step_weight(pp, m))[0]
         try:
             sol, rc = recompute.solve_recompute(prob, "all", fixed=None, time_limit=prof.time_limit)
         finally:
-            prob.cg.memory_budget = held
+            prob.cg = held
         prof.profiles[key] = tuple(layer_costs(prob, sol.choice, cap, recompute=rc.paths))
     return prof.profiles[key]
 

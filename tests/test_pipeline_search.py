@@ -10,6 +10,7 @@ import torch
 
 import autopar
 from autopar._testing import models
+from autopar._testing.gpt import GPT, GPTConfig
 from autopar.capture.canonicalize import canonicalize
 from autopar.capture.trace import capture
 from autopar.costmodel.hardware import LinkSpec, get_hardware
@@ -52,6 +53,38 @@ def test_layer_costs_units_in_order_and_sum_to_the_spmd_totals(make, stack, hidd
     assert layers[-2].boundary_bytes in (full, full / 2)  # the last block sends only the hidden state
     assert layers[-1].boundary_bytes == 0
 
+
+
+def test_stage_plans_minimise_the_schedules_weighting_of_per_step_seconds():
+    """A pipeline's step runs a stage's per-micro-batch seconds S / pp in m + pp - 1 slots and its per-step
+    seconds P / pp (optimizer, ZeRO-1/2 gathers, gradient all-reduces) once: the stage SPMD plan minimises
+    S + P / (pp + m - 1) (`stages.step_weight`), and gradient accumulation S + P / m. Solving S + P
+    traded per-micro-batch seconds for per-step ones: Llama-3-70B (8 layers) on pp 4 x dp 16 x tp 8, m 16,
+    1F1B split at 1,700 ms against 1,024 ms now (plain data x tensor parallelism: 1,025)."""
+    from autopar.mesh import Mesh
+    from autopar.pipeline.search import Profiler
+    from autopar.pipeline.stages import step_weight
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=8, n_head=4, n_embd=256))
+    x = torch.randint(0, 256, (64, 32))
+    hw = get_hardware("h100")
+    prof = Profiler(model, (x, x), hw, 8)
+    ratios = []
+    for pp, dp, tp, m in [(2, 4, 1, 8), (2, 2, 2, 8), (2, 4, 1, 16), (1, 8, 1, 4)]:
+        full = Mesh((pp, dp, tp), ("pp", "dp", "tp"), hw, 8)
+        r = step_weight(pp, m)
+        assert r == 1 / (pp + m - 1) and step_weight(1, 1) == 1.0
+        steps, objective = [], []
+        for weight in (1.0, r):
+            layers = prof.layers(m, dp, tp, None, step_weight=weight)
+            per_mb, per_step = sum(u.forward + u.backward for u in layers), sum(u.per_step for u in layers)
+            objective.append(per_mb + r * per_step)
+            steps.append(partition(layers, pp, m, "1f1b", memory_budget=None, overhead=hw.runtime_overhead,
+                                   p2p_time=lambda b: full.p2p_time(b, "pp") if pp > 1 else 0.0).step_time)
+        assert objective[1] <= objective[0] * (1 + 1e-3), (pp, dp, tp, m, objective)   # the solver's gap aside
+        assert steps[1] <= steps[0] * (1 + 1e-3), (pp, dp, tp, m, steps)
+        ratios.append(steps[1] / steps[0])
+    assert min(ratios) < 0.9, ratios   # 0.70-0.90 when measured
 
 def test_split_inputs_cuts_every_batch_tensor():
     ids = torch.zeros(8, 4, dtype=torch.long)
@@ -227,7 +260,7 @@ class _TradeOffProfiler:
         from autopar.costmodel.hardware import get_hardware
         self.hardware, self.dpn, self.plans, self.units, self.rows = get_hardware("h100"), 8, plans, units, []
 
-    def layers(self, m, dp, tp, row, strategy=None, act_weight=1.0):
+    def layers(self, m, dp, tp, row, strategy=None, act_weight=1.0, step_weight=1.0):
         from autopar.errors import InfeasiblePlanError
         from autopar.pipeline.stages import LayerCost
         self.rows.append((row, act_weight))
@@ -238,7 +271,7 @@ class _TradeOffProfiler:
         s, a, t = self.plans[min(fits, key=lambda k: self.plans[k][2])]
         return [LayerCost(f"h.{i}", t, 2 * t, s * 1e9, a * 1e9, 0.0) for i in range(self.units)]
 
-    def recomputed(self, m, dp, tp, row, strategy=None, act_weight=1.0):
+    def recomputed(self, m, dp, tp, row, strategy=None, act_weight=1.0, step_weight=1.0):
         """Its units are no model layers: none can recompute (`candidates._recomputed` then stops). The
         plan is one `layers` solved already: no row is solved again."""
         from autopar.planning.recompute import RecomputeDecision

@@ -185,6 +185,32 @@ def test_auto_is_never_slower_than_a_recipe_with_recompute(gpt, captured):
     assert auto.predicted_step_time <= min(p.predicted_step_time for p in fitting) * (1 + 1e-9)
 
 
+
+def test_recipes_slower_than_the_ceiling_do_not_warm_start_the_solve(gpt, captured, monkeypatch):
+    """`plan_captured(ceiling=c)` (the layout search's best plan so far): a recipe whose fastest plan without
+    the memory row is slower than c cannot give the plan kept, so its plan with recompute is not solved
+    (Llama-7B on 4 x 2 H100s under 40 GB: tensor parallelism's, ~70 CPU s for a 3.97 s plan against the
+    search's 673.5 ms); the recipes under c still warm-start it, and the plan is the one without a ceiling."""
+    from autopar.planning import recompute, spmd
+    mesh = autopar.Mesh((2, 2), axis_names=("dp", "tp"))
+    with pytest.raises(InfeasiblePlanError) as info:
+        _plan(gpt, captured, mesh=mesh, recompute="none", memory_budget=1)
+    every = _plan(gpt, captured, mesh=mesh, recompute="all", strategy="zero3")
+    budget = int((every.memory_per_device + info.value.min_memory_per_device) / 2)   # only recompute fits
+    free = {name: _plan(gpt, captured, mesh=mesh, strategy=name).predicted_step_time for name in spmd.BASELINES}
+    assert len(set(free.values())) > 1
+    ceiling = sorted(free.values())[len(free) // 2]   # some recipes' bounds above it, some at or below
+    warm: list[int] = []
+    solve = recompute.solve_recompute
+    monkeypatch.setattr(recompute, "solve_recompute",
+                        lambda *a, recipes=(), **k: warm.append(len(recipes)) or solve(*a, recipes=recipes, **k))
+    plain = _plan(gpt, captured, mesh=mesh, memory_budget=budget)
+    ceiled = _plan(gpt, captured, mesh=mesh, memory_budget=budget, ceiling=ceiling)
+    assert warm == [len(spmd.BASELINES), sum(t <= ceiling * (1 + 1e-9) for t in free.values())]
+    assert 0 < warm[1] < warm[0]
+    assert plain.recompute and ceiled.recompute
+    assert ceiled.predicted_step_time == pytest.approx(plain.predicted_step_time, rel=1e-9)
+
 def _measure(rank, world, model, args, plan_jsons):
     from autopar import autoparallelize
     from autopar.runtime.memtrack import measure_step

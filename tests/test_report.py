@@ -100,6 +100,20 @@ def test_infeasible_plan_says_why(plan4):
     assert "INFEASIBLE  strategy dp needs 90 GB per device" in plan.summary(rich=False)
 
 
+
+def test_a_shape_whose_solver_stopped_at_its_time_limit_says_so(plan4):
+    """A row of another shape of the devices whose solver stopped at its time limit is that plan's time,
+    not the mesh's best: its row says so, with the bound (Llama-7B on 4 x 2 H100s under 40 GB: 5.13 s
+    found, none faster than 606 ms)."""
+    from autopar.pipeline.auto import _stopped
+    stopped, solved = dataclasses.replace(plan4, gap=0.5), dataclasses.replace(plan4, gap=1e-4)
+    assert _stopped(solved) == ""
+    row = {"feasible": True, "time": 2 * plan4.predicted_step_time, "memory": plan4.memory_per_device,
+           "reason": _stopped(stopped)}
+    text = dataclasses.replace(plan4, baselines={**plan4.baselines, "spmd (2, 1)": row}).summary(rich=False)
+    line = next(ln for ln in text.splitlines() if "spmd (2, 1)" in ln)
+    assert "2.00× this plan's time; the solver stopped at its time limit: no plan of this mesh is faster than" in line
+
 # ------------------------------------------------------------------------------------------ explain
 def test_explain_param_lists_candidates_and_collectives(plan4):
     name = "transformer.h.0.attn.c_attn.weight"

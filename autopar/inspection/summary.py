@@ -458,7 +458,8 @@ def baseline_rows(plan) -> list[list[str]]:
                          f"infeasible: {b.get('reason', '')}"])
             continue
         ratio = b["time"] / plan.predicted_step_time if plan.predicted_step_time else float("nan")
-        rows.append([name, format_seconds(b["time"]), format_bytes(b["memory"]), f"{ratio:.2f}× this plan's time"])
+        note = f"{ratio:.2f}× this plan's time" + (f"; {b['reason']}" if b.get("reason") else "")
+        rows.append([name, format_seconds(b["time"]), format_bytes(b["memory"]), note])
     return rows
 
 

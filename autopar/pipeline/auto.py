@@ -56,7 +56,7 @@ from autopar import _torch_compat as compat
 from autopar.capture import precision
 from autopar.capture.canonicalize import canonicalize
 from autopar.capture.trace import capture
-from autopar.costmodel.memory import format_bytes, parse_bytes
+from autopar.costmodel.memory import format_bytes, format_seconds, parse_bytes
 from autopar.debug import PhaseTimer, log
 from autopar.errors import InfeasiblePlanError, InputError
 from autopar.mesh import Mesh
@@ -72,6 +72,7 @@ from autopar.sharding import recipes
 SEARCHES = ("fast", "exact")
 DEFER = 0.0   # `spmd.plan_captured`'s cutoff for a first pass that stops wherever the memory row bites
 FAST_RATIO = 4.0   # search="fast" searches pipelines when the 1-D SPMD step exceeds this times their least bound
+GAP_NOTE = 0.01    # an SPMD row of the summary whose solver stopped further than this from its bound says so
 
 
 @collector.paused()   # planning frees by reference counting; captures run with the collector (below)
@@ -110,14 +111,14 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     refused: dict = {}   # the recipes priced on the caller's mesh where its SPMD plan does not fit
 
     def plan_spmd(k: int, spmd_mesh: Mesh, cutoff: float | None, resume: spmd.PlanCutoff | None = None,
-                  rc=recompute) -> float:
+                  rc=recompute, ceiling: float | None = None) -> float:
         """Plans `spmd_mesh` into plans, floors or deferred; its step time, inf when it has no plan (yet)."""
         phases, step = PhaseTimer(), float("inf")
         try:
             plans.append(spmd.plan_captured(captured, model, example_inputs, mesh=spmd_mesh,
                                             memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
                                             baselines=baselines and k == 0, timer=phases, recompute=rc,
-                                            cutoff=cutoff, resume=resume))
+                                            cutoff=cutoff, resume=resume, ceiling=ceiling))
             step = plans[-1].predicted_step_time if plans[-1].feasible else step
         except InfeasiblePlanError as e:
             floors.append(e)
@@ -200,7 +201,8 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     for k, spmd_mesh, cut in sorted(deferred, key=lambda d: d[2].bound):   # the most promising first
         if cut.bound < fastest and (cut.bound < spmd_best or k == 0):
             # on from where it stopped: its CostProblem, recipes and budget-free optimum
-            spmd_best = min(spmd_best, plan_spmd(k, spmd_mesh, None, cut))
+            # no plan slower than the best found is kept: no recipe slower than it warm-starts the solve
+            spmd_best = min(spmd_best, plan_spmd(k, spmd_mesh, None, cut, ceiling=fastest))
         else:
             pruned[f"spmd {spmd_mesh.shape}"] = {
                 "feasible": False, "time": None, "memory": None, "bound": cut.bound,
@@ -230,7 +232,7 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     for p in plans:   # the other shapes of the devices (regrid's last-resort grids stay out of the summary)
         if p is not best and p.feasible and all(p is not q for q in more):
             table[f"spmd {p.mesh.shape}"] = {"feasible": True, "time": p.predicted_step_time,
-                                              "memory": p.memory_per_device, "reason": ""}
+                                              "memory": p.memory_per_device, "reason": _stopped(p)}
     runner_up = piped if best.stages == () else min(
         (c for c in found if c.feasible and c is not piped), key=lambda c: c.step_time, default=None)
     if runner_up is not None:   # the best pipeline that lost (or the runner-up of the one that won)
@@ -247,7 +249,7 @@ def pipelined_plan(prof: Profiler, best: Candidate, model, budget, timer) -> Pla
     m, sub = best.num_microbatches, prof.sub_mesh(best.dp, best.tp)
     cap, inputs = prof.captured(m)
     prob = prof.problem(m, best.dp, best.tp)
-    args = (m, best.dp, best.tp, best.inner_budget, None, best.inner_weight)
+    args = (m, best.dp, best.tp, best.inner_budget, None, best.inner_weight, best.inner_step_weight)
     if best.recompute:   # the same plan with its layers recomputed, as the search priced it
         layers, sol, rc = prof.recomputed(*args)
     else:                # the profile and solution the search priced (cached there)
@@ -282,6 +284,14 @@ def _batch(example_inputs) -> int | None:
 def _splits_batch(example_inputs) -> bool:
     batch = _batch(example_inputs)
     return batch is not None and batch > 1
+
+
+def _stopped(p: Plan) -> str:
+    """A row's note when its solver stopped at the time limit: its time is that plan's, not the mesh's best."""
+    if p.gap <= GAP_NOTE:
+        return ""
+    return (f"the solver stopped at its time limit: no plan of this mesh is faster than "
+            f"{format_seconds(p.predicted_step_time * (1 - p.gap))}")
 
 
 def _label(c: Candidate) -> str:

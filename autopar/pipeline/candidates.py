@@ -1,8 +1,10 @@
 """Pricing the pipeline search's candidates, and the branch and bound that skips most of them.
 
 A candidate is a (pp, dp, tp) mesh, a micro-batch count m and a schedule. `price` splits the unit
-profile of the micro-batch graph on the (dp, tp) sub-mesh (`search.Profiler.layers`) into pp
-stages exactly for the schedule, under the budget (`stages.partition`). If no split fits, the SPMD plan
+profile of the micro-batch graph on the (dp, tp) sub-mesh (`search.Profiler.layers`, its SPMD plan
+solved for the least S + P / (pp + m - 1), the pipeline's weighting of per-micro-batch seconds S and
+per-step seconds P: `stages.step_weight`) into pp stages exactly for the schedule, under the budget
+(`stages.partition`). If no split fits, the SPMD plan
 is re-solved with memory rows before the candidate is called infeasible: first rows that weigh
 activations by the mean number of micro-batches a stage keeps in flight (w: GPipe m, 1F1B
 (pp + 1) / 2 for m >= pp; `stages.in_flight`),
@@ -58,7 +60,7 @@ import numpy as np
 from autopar.costmodel.memory import format_bytes
 from autopar.errors import InfeasiblePlanError
 from autopar.mesh import Mesh
-from autopar.pipeline.stages import INTERLEAVE, StageSplit, chunk_in_flight, partition, step_lower_bound
+from autopar.pipeline.stages import INTERLEAVE, StageSplit, chunk_in_flight, partition, step_lower_bound, step_weight
 
 if TYPE_CHECKING:
     from autopar.pipeline.search import Profiler
@@ -83,6 +85,7 @@ class Candidate:
     stage_modules: tuple[tuple[str, ...], ...] = ()   # unit names per stage (chunk for interleaved)
     inner_budget: float | None = None    # the SPMD memory row the profile was solved under
     inner_weight: float = 1.0            # ... with activations weighted by this in-flight count
+    inner_step_weight: float = 1.0       # ... minimising per-micro-batch + this x per-step seconds (`step_weight`)
     reason: str = ""
     recompute: tuple[str, ...] = ()      # layers whose forward re-runs in backward (`Profiler.recomputed`)
 
@@ -224,7 +227,8 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
         if v > 1 and m % pp:
             continue  # interleaving needs whole rounds of pp micro-batches
         best, least, held = None, float("inf"), None   # held: (state, activation) bytes of the last plan
-        skipped, solved = "", []   # solved: the (row, weight) whose SPMD plans were found, loosest first
+        skipped, solved = "", []   # solved: the (row, weight, step weight) whose SPMD plans were found, loosest first
+        r = step_weight(pp, m)
 
         def split_under(layers, memory_budget):
             return partition(layers, pp, m, schedule, p2p_time=p2p, memory_budget=memory_budget, v=v,
@@ -235,34 +239,39 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
         if pp == 1 and (cutoff is not None or free_only) and budget is not None:
             # fast: the budget-free plan first, its rows only if it could win (`free_only`: that plan alone)
             rows = [(None, 1.0)] + ([] if free_only else rows)
+        rows = [(row, w, r) for row, w in rows]
+        if budget is not None and r != 1.0 and rows[0][0] is None:
+            # before any memory row: the budget-free plan of least S + P, which holds per-step state more
+            # frugally (ZeRO), where the step's weighting's own plan does not split
+            rows.insert(1, (None, 1.0, 1.0))
         while k < len(rows):
-            (row, w), k = rows[k], k + 1
+            (row, w, rw), k = rows[k], k + 1
             if held is not None and row is not None and held[0] + w * held[1] <= row:
                 continue  # the looser plan already fits this row: a re-solve would return it again
             try:
-                layers = prof.layers(m, dp, tp, row, strategy, act_weight=w)
+                layers = prof.layers(m, dp, tp, row, strategy, act_weight=w, step_weight=rw)
             except InfeasiblePlanError as e:  # no SPMD plan fits this row: a tighter one cannot either
                 if pp == 1:  # one stage: the whole graph's memory is the device's
                     least = min(least, e.min_memory_per_device or float("inf"))
                 if w == 1.0 and row == pp * budget:
                     break   # every stage keeps >= 1 micro-batch: no split of any plan holds less than this row
-                rows[k:] = [r for r in rows[k:] if r[1] != w]   # drop this weight's tighter rows
+                rows[k:] = [x for x in rows[k:] if x[1] != w]   # drop this weight's tighter rows
                 floor = e.min_memory_per_device   # the least weighted memory any SPMD plan has
                 if floor is not None and floor * fewest / w > pp * budget * (1 + 1e-9):
                     break   # no plan splits under any row: its stages hold >= (fewest / w) * floor together
-                if (w != 1.0 and floor is not None and math.isfinite(floor) and (floor * FLOOR_SLACK, w) not in rows
+                if (w != 1.0 and floor is not None and math.isfinite(floor) and (floor * FLOOR_SLACK, w, rw) not in rows
                         and floor * fewest / w <= pp * budget):
-                    rows.insert(k, (floor * FLOOR_SLACK, w))   # the most activation-frugal plans
+                    rows.insert(k, (floor * FLOOR_SLACK, w, rw))   # the most activation-frugal plans
                 continue
             held = (sum(x.state_bytes for x in layers), sum(x.activation_bytes for x in layers))
-            solved.append((row, w))
+            solved.append((row, w, rw))
             if pp * v > len(layers):
                 break
             try:
                 split = split_under(layers, budget)
             except InfeasiblePlanError as e:
                 least = min(least, e.min_memory_per_device or float("inf"))
-                if cutoff is not None and row is None:
+                if cutoff is not None and row is None and rw == r:
                     free = split_under(layers, None).step_time
                     if free >= SKIP_MARGIN * cutoff:
                         skipped = (f"{SKIPPED}: its budget-free plan splits at {free:.4g} s, {free / cutoff:.2f}x the "
@@ -270,7 +279,7 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
                         break
                 continue
             best = Candidate(pp, dp, tp, m, schedule, True, split.step_time, max(split.stage_memory), split,
-                             stage_modules(layers, split), row, w)
+                             stage_modules(layers, split), row, w, inner_step_weight=rw)
             break
         if best is None and recompute and not skipped and pp > 1 and strategy is None:
             best, least = _recomputed(prof, pp, dp, tp, m, schedule, v, solved, split_under, budget, least)
@@ -288,8 +297,8 @@ def _recomputed(prof: Profiler, pp, dp, tp, m, schedule, v, solved, split_under,
     backward (`Profiler.recomputed`, strategies unchanged): the first whose split fits. Its activations
     shrink to the layer inputs, for the re-run forward's seconds (Llama-3.1-405B, 2,048 x 8,192 tokens on
     2,048 H100s: no candidate fit 80 GB without recompute, the least needed 81.9 GB)."""
-    for row, w in solved:
-        layers, _, rc = prof.recomputed(m, dp, tp, row, None, w)
+    for row, w, rw in solved:
+        layers, _, rc = prof.recomputed(m, dp, tp, row, None, w, rw)
         if not rc.paths or pp * v > len(layers):
             return None, least
         try:
@@ -298,7 +307,7 @@ def _recomputed(prof: Profiler, pp, dp, tp, m, schedule, v, solved, split_under,
             least = min(least, e.min_memory_per_device or float("inf"))
             continue
         return Candidate(pp, dp, tp, m, schedule, True, split.step_time, max(split.stage_memory), split,
-                         stage_modules(layers, split), row, w, recompute=rc.paths), least
+                         stage_modules(layers, split), row, w, rw, recompute=rc.paths), least
     return None, least
 
 

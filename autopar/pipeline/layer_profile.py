@@ -186,6 +186,22 @@ def _recompute_terms(prob: CostProblem, choice: np.ndarray, paths: tuple[str, ..
     return more_time, more_act, more_edge
 
 
+def all_reduce_matrix(prob: CostProblem, e) -> np.ndarray:
+    """`_all_reduce_seconds` of gradient edge `e` for every (parameter strategy, producer strategy): the
+    part of its cost-graph matrix that runs once per step."""
+    rs, memo = prob.reshard, {}
+    src, dst = prob.strategies[e.src], prob.strategies[e.dst]
+    out = np.zeros((len(src), len(dst)))
+    for a, s in enumerate(src):
+        for b, d in enumerate(dst):
+            key = (d.outs[e.out], s.master)
+            if key not in memo:
+                memo[key] = sum(rs.step_time(st, bucketed=True, total_bytes=e.nbytes)
+                                for st in rs.steps(*key, e.nbytes) if st.kind == "all_reduce")
+            out[a, b] = memo[key]
+    return out
+
+
 def _all_reduce_seconds(prob: CostProblem, e, choice: np.ndarray) -> float:
     """The all-reduce steps' share of a gradient edge's (bucketed) seconds: the same terms as
     `ReshardCost.time`, which prices the edge."""

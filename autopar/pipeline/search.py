@@ -38,11 +38,11 @@ from autopar.errors import InfeasiblePlanError, InputError
 from autopar.mesh import Mesh
 from autopar.pipeline import planning as pipelined
 from autopar.pipeline.candidates import Candidate, branch_and_bound, price
-from autopar.pipeline.layer_profile import layer_costs, unit_names
+from autopar.pipeline.layer_profile import all_reduce_matrix, layer_costs, unit_names
 from autopar.pipeline.stages import INTERLEAVE, SCHEDULES, LayerCost, mesh_factorizations, step_lower_bound
 from autopar.planning import collector, spmd
 from autopar.planning import recompute as recompute_mod
-from autopar.planning.costgraph import CostGraph, CostNode
+from autopar.planning.costgraph import CostEdge, CostGraph, CostNode
 from autopar.planning.forest_bound import forest_lower_bound, spanning_forest
 from autopar.planning.lp_bound import lp_lower_bound
 from autopar.planning.problem import ProblemBuilder
@@ -188,22 +188,25 @@ class Profiler:
         inner = dp * tp if min(dp, tp) == 1 and strategy is None else (dp, tp)
         return inner, repr(sorted(strategy.items())) if strategy else None
 
-    def _profile_key(self, m: int, dp: int, tp: int, budget: float | None, strategy, act_weight: float) -> tuple:
+    def _profile_key(self, m: int, dp: int, tp: int, budget: float | None, strategy, act_weight: float,
+                     step_weight: float = 1.0) -> tuple:
         """The cache key of `layers`, `solution` and `recomputed`: without a memory row activations weigh 1."""
-        return (m, *self._inner(dp, tp, strategy), budget, act_weight if budget is not None else 1.0)
+        return (m, *self._inner(dp, tp, strategy), budget, act_weight if budget is not None else 1.0, step_weight)
 
     def layers(self, m: int, dp: int, tp: int, budget: float | None, strategy=None,
-               act_weight: float = 1.0) -> tuple[LayerCost, ...]:
+               act_weight: float = 1.0, step_weight: float = 1.0) -> tuple[LayerCost, ...]:
         """The unit profile of the micro-batch graph (batch / m) planned on the (dp, tp) sub-mesh with
         `strategy` (None: auto; else {"dp": recipe, "tp": recipe} as in autopar.plan). Raises
         InfeasiblePlanError when the SPMD plan cannot fit the memory row `budget`, in which
-        activations count `act_weight` times (micro-batches in flight, `candidates.price`)."""
-        key = self._profile_key(m, dp, tp, budget, strategy, act_weight)
-        act_weight = key[-1]
+        activations count `act_weight` times (micro-batches in flight, `candidates.price`). The solver
+        minimises (per micro-batch seconds) + `step_weight` * (per step seconds), the pipeline's step
+        formula over its factor on the first (`step_weight(pp, m)`); the profile prices the plan unweighted."""
+        key = self._profile_key(m, dp, tp, budget, strategy, act_weight, step_weight)
+        act_weight = key[-2]
         if key not in self.profiles:
             prob = self.problem(m, dp, tp, strategy)
             cap, _ = self.captured(m)
-            cg, cache = self._weighted(prob, (m, *self._inner(dp, tp, strategy)), act_weight)
+            cg, cache = self._weighted(prob, (m, *self._inner(dp, tp, strategy)), act_weight, step_weight)
             cg.memory_budget = budget
             try:
                 with warnings.catch_warnings():
@@ -219,21 +222,23 @@ class Profiler:
             raise found
         return found
 
-    def solution(self, m: int, dp: int, tp: int, budget: float | None, strategy=None, act_weight: float = 1.0):
+    def solution(self, m: int, dp: int, tp: int, budget: float | None, strategy=None, act_weight: float = 1.0,
+                 step_weight: float = 1.0):
         """The solver's Solution behind `layers(...)` with the same arguments (solved there if not yet):
-        a plan built from it is the plan the search priced."""
-        self.layers(m, dp, tp, budget, strategy, act_weight)
-        return self.solutions[self._profile_key(m, dp, tp, budget, strategy, act_weight)]
+        a plan built from it is the plan the search priced (its `time` is the weighted objective)."""
+        self.layers(m, dp, tp, budget, strategy, act_weight, step_weight)
+        return self.solutions[self._profile_key(m, dp, tp, budget, strategy, act_weight, step_weight)]
 
-    def recomputed(self, m: int, dp: int, tp: int, budget: float | None, strategy=None, act_weight: float = 1.0):
+    def recomputed(self, m: int, dp: int, tp: int, budget: float | None, strategy=None, act_weight: float = 1.0,
+                   step_weight: float = 1.0):
         """The plan of `layers(...)` (same arguments) with every layer that can recompute
         (`recompute.recomputable`: all but the last of each stack) re-running its forward in backward,
         strategies unchanged (Megatron's full recompute of a plan the search solved): (unit profile,
         its Solution with the re-run seconds, the RecomputeDecision), cached. A plan built from the last
         two is the plan the profile prices (`auto.pipelined_plan`)."""
-        key = self._profile_key(m, dp, tp, budget, strategy, act_weight)
+        key = self._profile_key(m, dp, tp, budget, strategy, act_weight, step_weight)
         if key not in self.recomputes:
-            sol = self.solution(m, dp, tp, budget, strategy, act_weight)
+            sol = self.solution(m, dp, tp, budget, strategy, act_weight, step_weight)
             prob = self.problem(m, dp, tp, strategy)
             if self.expanded[0] is not prob:
                 self.expanded = (prob, recompute_mod.expand(prob))
@@ -244,21 +249,31 @@ class Profiler:
                                     with_rc, rc)
         return self.recomputes[key]
 
-    def _weighted(self, prob, key: tuple, w: float):
-        """(cost graph, solver cache) of `prob` with each node's activation bytes counted w times (the
-        same graph and cache for w = 1); kept while the CostProblem is (a cache per weight: the layer
-        quotient and the least-memory relaxation depend on the memory vector)."""
-        if w == 1.0:
+    def _weighted(self, prob, key: tuple, w: float, r: float = 1.0):
+        """(cost graph, solver cache) of `prob` with each node's activation bytes counted w times and its
+        per-step seconds r times (`step_weight`: a parameter's optimizer update and ZeRO-1/2 gather, a
+        gradient's all-reduce; `layer_costs` files them per step); the same graph and cache for w = r = 1.
+        Kept while the CostProblem is (a cache per weight: the layer quotient and the least-memory
+        relaxation depend on the vectors)."""
+        if w == 1.0 and r == 1.0:
             return prob.cg, prob.solver_cache
-        found = self.weighted.get((key, w))
+        found = self.weighted.get((key, w, r))
         if found is None or found[0] is not prob:
             nodes = []
-            for nd, mem in zip(prob.cg.nodes, prob.memory):
+            for n, nd, mem in zip(prob.nodes, prob.cg.nodes, prob.memory):
                 assert len(mem["activations"]) == len(nd.memory), "cost-graph node and CostProblem memory disagree"
-                nodes.append(CostNode(nd.name, nd.time, np.asarray(nd.memory) + (w - 1.0) * mem["activations"]))
-            cg = CostGraph(nodes, prob.cg.edges, None, prob.cg.memory_offset, prob.cg.layer_groups)
+                time = nd.time * r if n.op == "placeholder" else nd.time
+                nodes.append(CostNode(nd.name, time, np.asarray(nd.memory) + (w - 1.0) * mem["activations"]))
+            edges, once = list(prob.cg.edges), {}   # identical layers' gradient edges share one matrix
+            for j, e in enumerate(prob.edges) if r != 1.0 else ():
+                if e.kind == "grad":
+                    same = (id(prob.strategies[e.src]), id(prob.strategies[e.dst]), e.out, e.nbytes, id(edges[j].time))
+                    if same not in once:
+                        once[same] = edges[j].time - (1.0 - r) * all_reduce_matrix(prob, e)
+                    edges[j] = CostEdge(e.src, e.dst, once[same])
+            cg = CostGraph(nodes, edges, None, prob.cg.memory_offset, prob.cg.layer_groups)
             self.weighted = {k: v for k, v in self.weighted.items() if any(v[0] is p for p in self.problems.values())}
-            found = self.weighted[key, w] = (prob, cg, {})
+            found = self.weighted[key, w, r] = (prob, cg, {})
         return found[1], found[2]
 
     def forest_bound(self, m: int, dp: int, tp: int, strategy, pp: int, schedule: str) -> float:
@@ -383,7 +398,8 @@ def search(model, example_inputs, *, mesh: Mesh, memory_budget=None, schedules=D
     cap, inputs = prof.captured(best.num_microbatches)
     sub = prof.sub_mesh(best.dp, best.tp)
     full = Mesh((best.pp, *sub.shape), ("pp", *sub.axis_names), mesh.hardware, mesh.devices_per_node)
-    args = (best.num_microbatches, best.dp, best.tp, best.inner_budget, strategy, best.inner_weight)
+    args = (best.num_microbatches, best.dp, best.tp, best.inner_budget, strategy, best.inner_weight,
+            best.inner_step_weight)
     layers = prof.recomputed(*args)[0] if best.recompute else prof.layers(*args)
     return SearchResult(best, tuple(found), full, sub, layers, cap, inputs)
 

@@ -60,13 +60,17 @@ class PlanCutoff(Exception):
 
 def plan_captured(captured, model, example_inputs, *, mesh, strategy="auto", memory_budget=None, optimizer="adamw",
                   time_limit=None, baselines: bool = True, timer=None, recompute=None,
-                  cutoff: float | None = None, resume: PlanCutoff | None = None) -> Plan:
+                  cutoff: float | None = None, resume: PlanCutoff | None = None,
+                  ceiling: float | None = None) -> Plan:
     """The planning steps after capture (the runtime calls this with the graph it already has).
     `cutoff` (seconds; strategy "auto" under a budget): when the fastest plan without the memory row
     does not fit, and is not faster than `cutoff`, raise PlanCutoff instead of solving under the row
     (with recompute, the costly part: Llama-3-70B on 8 x 8 H100s, 60-100 s of HiGHS). The bound is
     over tiled layer plans, as the solver's plans are (`solver.solve`'s dedup_layers). `resume`: that
-    PlanCutoff, to plan on from its CostProblem (the budget-free optimum in its solver cache) and recipes."""
+    PlanCutoff, to plan on from its CostProblem (the budget-free optimum in its solver cache) and recipes.
+    `ceiling` (seconds; the layout search's best plan so far): a plan slower than it is of no use, so the
+    recipes whose fastest plan without the memory row is slower do not warm-start the recompute solve
+    (`_recipe_hints`)."""
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     wanted = recipes.normalize(strategy, mesh)
@@ -89,7 +93,8 @@ def plan_captured(captured, model, example_inputs, *, mesh, strategy="auto", mem
             if free.memory > budget and free.lower_bound >= cutoff:   # a bound, not the plan: a limit may stop it
                 raise PlanCutoff(free.lower_bound, (prob, table, solutions))
         try:
-            sol, reason, rc = _solve_with_recompute(prob, captured, mesh, wanted, solutions, time_limit, recompute)
+            sol, reason, rc = _solve_with_recompute(prob, captured, mesh, wanted, solutions, time_limit, recompute,
+                                                    ceiling)
         except InfeasiblePlanError as e:
             e.baselines = table   # what each recipe needs: the layout search lists them beside its plan
             raise
@@ -200,7 +205,7 @@ def solve_requested(prob, captured, mesh, wanted, solutions, time_limit):
         return sol, reason
 
 
-def _solve_with_recompute(prob, captured, mesh, wanted, solutions, time_limit, recompute):
+def _solve_with_recompute(prob, captured, mesh, wanted, solutions, time_limit, recompute, ceiling=None):
     """(solution, infeasible reason, RecomputeDecision or None). Activation recompute enters when
     asked for, or ("auto") only when no plan fits the budget without it."""
     mode = recompute_mod.normalize(recompute, list(recompute_mod.layer_nodes(prob.gm)))
@@ -216,7 +221,8 @@ def _solve_with_recompute(prob, captured, mesh, wanted, solutions, time_limit, r
     fixed = None if all(r == "auto" for r in wanted) else restricted_choices(prob, captured, mesh, wanted)
     try:
         sol, rc = recompute_mod.solve_recompute(prob, mode, fixed=fixed, time_limit=time_limit,
-                                                recipes=_recipe_hints(prob, captured, mesh, fixed, mode))
+                                                recipes=_recipe_hints(prob, captured, mesh, fixed, mode, time_limit,
+                                                                      ceiling))
     except InfeasiblePlanError:
         if fixed is None or mode != "auto":
             raise
@@ -224,16 +230,22 @@ def _solve_with_recompute(prob, captured, mesh, wanted, solutions, time_limit, r
     return sol, "", rc
 
 
-def _recipe_hints(prob, captured, mesh, fixed, mode) -> list[dict[int, list[int]]]:
+def _recipe_hints(prob, captured, mesh, fixed, mode, time_limit=None, ceiling=None) -> list[dict[int, list[int]]]:
     """The textbook recipes' restrictions, for an unrestricted solve that decides recompute itself:
     their plans with recompute warm-start it and bound it (auto is never slower than a recipe that
     fits). On a 2-D mesh the unrestricted ILP may not improve on its least-memory fallback within
-    the time limit while a recipe with recompute fits easily (a 16-layer Llama on (2, 8) at 80 GB)."""
+    the time limit while a recipe with recompute fits easily (a 16-layer Llama on (2, 8) at 80 GB).
+    `ceiling`: a recipe whose fastest plan without the memory row (its proven bound) is slower is left
+    out: its plans with recompute, only slower still, cannot be the plan the caller keeps (Llama-7B on 8
+    H100s in bf16 under 40 GB: tensor parallelism over both axes of 4 x 2, ~70 CPU s of HiGHS for a
+    3.97 s plan, where the layout search had found 673.5 ms)."""
     if fixed is not None or mode != "auto":
         return []
     propagated: dict = {}
     hints = (restricted_choices(prob, captured, mesh, (name,) * mesh.ndim, propagated) for name in BASELINES)
-    return [h for h in hints if h is not None]
+    overhead = mesh.hardware.runtime_overhead   # a plan's step: the solver's seconds + this (assemble.totals)
+    return [h for h in hints if h is not None
+            and (ceiling is None or budget_free(prob, time_limit, h).lower_bound + overhead <= ceiling)]
 
 
 def fingerprint(captured, mesh) -> str:
