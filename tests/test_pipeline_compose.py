@@ -408,18 +408,21 @@ def _check_recompute(per_rank, model, batches, free, budget):
 
 
 def _searched_recompute_plan(case):
-    """The plan the default search builds for pp2 x dp2, 2 micro-batches, 1F1B under 80% of its budget-free
-    plan's memory: no memory row's plan splits within it, so `candidates.price` prices the budget-free
-    plan with full recompute (every layer but the last) and `auto.pipelined_plan` builds exactly that."""
+    """The plan the default search builds for pp2 x dp2, 2 micro-batches, 1F1B under 80% of the leaner of its
+    budget-free plans' memory (the step's weighting's and least S + P's, which `candidates.price` tries before
+    any row): no memory row's plan splits within it, so `candidates.price` prices the budget-free plan with
+    full recompute (every layer but the last) and `auto.pipelined_plan` builds exactly that."""
     from autopar.debug import PhaseTimer
     from autopar.pipeline.auto import pipelined_plan
     from autopar.pipeline.candidates import price
     from autopar.pipeline.search import Profiler
+    from autopar.pipeline.stages import partition
     prof = Profiler(case.model, case.args, PP_DP.hardware, PP_DP.devices_per_node)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         [free] = price(prof, 2, 2, 1, 2, ("1f1b",), None)
-        budget = 0.8 * free.memory_per_device
+        lean = partition(prof.layers(2, 2, 1, None), 2, 2, "1f1b", p2p_time=lambda nbytes: 0.0)
+        budget = 0.8 * min(free.memory_per_device, max(lean.stage_memory))
         [searched] = price(prof, 2, 2, 1, 2, ("1f1b",), budget)
         plan = pipelined_plan(prof, searched, case.model, budget, PhaseTimer())
     assert searched.feasible and searched.recompute == ("transformer.h.0", "transformer.h.1", "transformer.h.2")
