@@ -30,7 +30,7 @@ import torch.fx as fx
 from autopar.graph import PHASE, ROLE, layer_of, node_path, producer_of
 from autopar.pipeline.stages import LayerCost
 from autopar.placement import local_fraction
-from autopar.planning.problem import CostProblem
+from autopar.planning.problem import CostProblem, _index_of
 from autopar.planning.recompute import expand
 
 PRE, POST = "<pre>", "<post>"
@@ -188,28 +188,27 @@ def _recompute_terms(prob: CostProblem, choice: np.ndarray, paths: tuple[str, ..
 
 def all_reduce_matrix(prob: CostProblem, e) -> np.ndarray:
     """`_all_reduce_seconds` of gradient edge `e` for every (parameter strategy, producer strategy): the
-    part of its cost-graph matrix that runs once per step."""
-    rs, memo = prob.reshard, {}
-    src, dst = prob.strategies[e.src], prob.strategies[e.dst]
-    out = np.zeros((len(src), len(dst)))
-    for a, s in enumerate(src):
-        for b, d in enumerate(dst):
-            key = (d.outs[e.out], s.master)
-            if key not in memo:
-                memo[key] = sum(rs.step_time(st, bucketed=True, total_bytes=e.nbytes)
-                                for st in rs.steps(*key, e.nbytes) if st.kind == "all_reduce")
-            out[a, b] = memo[key]
-    return out
+    part of its cost-graph matrix that runs once per step, priced once per unique (master, gradient) spec
+    pair and spread as `ProblemBuilder._edge_matrix` spreads its reshard prices."""
+    masters = [s.master for s in prob.strategies[e.src]]
+    grads = [d.outs[e.out] for d in prob.strategies[e.dst]]
+    small = np.array([[_all_reduce_share(prob, g, mst, e.nbytes) for g in dict.fromkeys(grads)]
+                      for mst in dict.fromkeys(masters)])
+    return small[np.ix_(_index_of(masters), _index_of(grads))]
 
 
 def _all_reduce_seconds(prob: CostProblem, e, choice: np.ndarray) -> float:
-    """The all-reduce steps' share of a gradient edge's (bucketed) seconds: the same terms as
+    """The all-reduce steps' share of a gradient edge's (bucketed) seconds at `choice`."""
+    grad_spec = prob.strategies[e.dst][choice[e.dst]].outs[e.out]
+    return _all_reduce_share(prob, grad_spec, prob.strategies[e.src][choice[e.src]].master, e.nbytes)
+
+
+def _all_reduce_share(prob: CostProblem, grad_spec, master, nbytes: float) -> float:
+    """The all-reduce steps of resharding a gradient `grad_spec` -> `master` (bucketed): the same terms as
     `ReshardCost.time`, which prices the edge."""
     rs = prob.reshard
-    grad_spec = prob.strategies[e.dst][choice[e.dst]].outs[e.out]
-    master = prob.strategies[e.src][choice[e.src]].master
-    return sum(rs.step_time(st, bucketed=True, total_bytes=e.nbytes)
-               for st in rs.steps(grad_spec, master, e.nbytes) if st.kind == "all_reduce")
+    return sum(rs.step_time(st, bucketed=True, total_bytes=nbytes)
+               for st in rs.steps(grad_spec, master, nbytes) if st.kind == "all_reduce")
 
 
 def _boundaries(prob: CostProblem, choice: np.ndarray, unit: list[int], n: int) -> np.ndarray:
