@@ -30,7 +30,7 @@ import torch.fx as fx
 from autopar.graph import PHASE, ROLE, layer_of, node_path, producer_of
 from autopar.pipeline.stages import LayerCost
 from autopar.placement import local_fraction
-from autopar.planning.problem import CostProblem, _index_of
+from autopar.planning.problem import CostProblem, spec_index
 from autopar.planning.recompute import expand
 
 PRE, POST = "<pre>", "<post>"
@@ -194,7 +194,7 @@ def all_reduce_matrix(prob: CostProblem, e) -> np.ndarray:
     grads = [d.outs[e.out] for d in prob.strategies[e.dst]]
     small = np.array([[_all_reduce_share(prob, g, mst, e.nbytes) for g in dict.fromkeys(grads)]
                       for mst in dict.fromkeys(masters)])
-    return small[np.ix_(_index_of(masters), _index_of(grads))]
+    return small[np.ix_(spec_index(masters), spec_index(grads))]
 
 
 def _all_reduce_seconds(prob: CostProblem, e, choice: np.ndarray) -> float:

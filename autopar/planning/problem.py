@@ -411,7 +411,7 @@ class ProblemBuilder:
             small = self._spec_matrix(src_specs, dst_specs, e.nbytes, bucketed=False, gather_share=e.gather_share)
             if e.no_reduce:
                 small = np.where(self._reduces(src_specs, dst_specs), np.inf, small)
-        return small[np.ix_(_index_of(src_specs), _index_of(dst_specs))]
+        return small[np.ix_(spec_index(src_specs), spec_index(dst_specs))]
 
     def _reduces(self, a_specs, b_specs) -> np.ndarray:
         """Per unique spec pair: does resharding a -> b all-reduce or reduce-scatter?"""
@@ -469,7 +469,7 @@ def _same_across_layers(nodes: list[fx.Node], full: list[list], pruned: list[lis
     return out
 
 
-def _index_of(specs: list) -> list[int]:
+def spec_index(specs: list) -> list[int]:
     """Position of each spec among the unique specs in first-seen order."""
     first = {sp: i for i, sp in enumerate(dict.fromkeys(specs))}
     return [first[sp] for sp in specs]
