@@ -168,12 +168,9 @@ def _recomputed_layers(prof, pp, m, dp, tp, strategy):
     if key not in prof.profiles:
         prob = prof.problem(m, dp, tp, strategy)
         cap, _ = prof.captured(m)
-        held = prob.cg   # the split enforces the budget: the weighted graph has no memory row
-        prob.cg = prof._weighted(prob, (m, *prof._inner(dp, tp, strategy)), 1.0, step_weight(pp, m))[0]
-        try:
-            sol, rc = recompute.solve_recompute(prob, "all", fixed=None, time_limit=prof.time_limit)
-        finally:
-            prob.cg = held
+        # solved on the weighted view (no memory row: the split enforces the budget), priced on prob
+        view = prof.weighted(m, dp, tp, strategy, step_weight=step_weight(pp, m))
+        sol, rc = recompute.solve_recompute(view, "all", fixed=None, time_limit=prof.time_limit)
         prof.profiles[key] = tuple(layer_costs(prob, sol.choice, cap, recompute=rc.paths))
     return prof.profiles[key]
 

@@ -86,6 +86,28 @@ def test_stage_plans_minimise_the_schedules_weighting_of_per_step_seconds():
         ratios.append(steps[1] / steps[0])
     assert min(ratios) < 0.9, ratios   # 0.70-0.90 when measured
 
+def test_forced_stages_solve_the_stage_plan_for_the_pipelines_step():
+    """`plan(num_stages=p)` solves its stage plan as the search does, for S + P / (p + m - 1): its predicted
+    step is the split of the search's weighted profile, below the split of the S + P plan (whose per-step
+    seconds the schedule pays once, not m + p - 1 times)."""
+    from autopar.pipeline.search import Profiler
+    from autopar.pipeline.stages import step_weight
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=8, n_head=4, n_embd=256))
+    x = torch.randint(0, 256, (64, 32))
+    hw = get_hardware("h100")
+    mesh = autopar.Mesh((2, 4), ("pp", "dp"), hardware=hw, devices_per_node=8)
+    plan = autopar.plan(model, (x, x), mesh=mesh, num_stages=2, num_microbatches=8, schedule="1f1b")
+    prof = Profiler(model, (x, x), hw, 8)
+    steps = {}
+    for weight in (1.0, step_weight(2, 8)):
+        layers = prof.layers(8, 4, 1, None, step_weight=weight)
+        steps[weight] = partition(layers, 2, 8, "1f1b", memory_budget=None, overhead=hw.runtime_overhead,
+                                  p2p_time=lambda b: mesh.p2p_time(b, "pp")).step_time
+    assert plan.predicted_step_time == pytest.approx(steps[step_weight(2, 8)], rel=1e-9), steps
+    assert plan.predicted_step_time < 0.95 * steps[1.0], (plan.predicted_step_time, steps)
+
+
 def test_split_inputs_cuts_every_batch_tensor():
     ids = torch.zeros(8, 4, dtype=torch.long)
     args = split_inputs((ids, {"labels": ids, "scale": torch.ones(3)}), 4)

@@ -24,12 +24,15 @@ so the units' sums equal the SPMD plan's totals (assemble.totals): time and memo
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch.fx as fx
 
 from autopar.graph import PHASE, ROLE, layer_of, node_path, producer_of
 from autopar.pipeline.stages import LayerCost
 from autopar.placement import local_fraction
+from autopar.planning.costgraph import CostEdge, CostGraph, CostNode
 from autopar.planning.problem import CostProblem, spec_index
 from autopar.planning.recompute import expand
 
@@ -195,6 +198,31 @@ def all_reduce_matrix(prob: CostProblem, e) -> np.ndarray:
     small = np.array([[_all_reduce_share(prob, g, mst, e.nbytes) for g in dict.fromkeys(grads)]
                       for mst in dict.fromkeys(masters)])
     return small[np.ix_(spec_index(masters), spec_index(grads))]
+
+
+def step_weighted(prob: CostProblem, act_weight: float = 1.0, step_weight: float = 1.0) -> CostProblem:
+    """A view of `prob` (everything shared but its cost graph and solver cache) whose cost graph counts each
+    node's activation bytes `act_weight` times (micro-batches in flight: a memory row over a pipeline's
+    stages) and its per-step seconds `step_weight` times (a parameter's optimizer update and ZeRO-1/2
+    gather, a gradient's all-reduce: what `layer_costs` files per step), so that a solve of the view
+    minimises a pipeline's step formula (`stages.step_weight`) while `layer_costs(prob, ...)` prices its
+    solution unweighted. `prob` itself when both weights are 1; the view's cost graph has no memory row."""
+    if act_weight == 1.0 and step_weight == 1.0:
+        return prob
+    nodes = []
+    for n, nd, mem in zip(prob.nodes, prob.cg.nodes, prob.memory):
+        assert len(mem["activations"]) == len(nd.memory), "cost-graph node and CostProblem memory disagree"
+        time = nd.time * step_weight if n.op == "placeholder" else nd.time
+        nodes.append(CostNode(nd.name, time, np.asarray(nd.memory) + (act_weight - 1.0) * mem["activations"]))
+    edges, once = list(prob.cg.edges), {}   # identical layers' gradient edges share one matrix
+    for j, e in enumerate(prob.edges) if step_weight != 1.0 else ():
+        if e.kind == "grad":
+            same = (id(prob.strategies[e.src]), id(prob.strategies[e.dst]), e.out, e.nbytes, id(edges[j].time))
+            if same not in once:
+                once[same] = edges[j].time - (1.0 - step_weight) * all_reduce_matrix(prob, e)
+            edges[j] = CostEdge(e.src, e.dst, once[same])
+    cg = CostGraph(nodes, edges, None, prob.cg.memory_offset, prob.cg.layer_groups)   # no memory row: callers set it
+    return dataclasses.replace(prob, cg=cg, solver_cache={})
 
 
 def _all_reduce_seconds(prob: CostProblem, e, choice: np.ndarray) -> float:

@@ -4,7 +4,9 @@ Steps (`plan_pipelined_captured`, after the micro-batch graph is captured):
   1. the mesh: a 1-D mesh of N devices becomes Mesh((p, N // p), ("pp", <its axis>)) on the same
      hardware; a mesh with a "pp" axis (first) is used as is; the sub-mesh is every other axis;
   2. the SPMD planner on the MICRO-BATCH graph (inputs split along dim 0 into m micro-batches) and
-     the sub-mesh: one strategy per op, shared by every stage;
+     the sub-mesh: one strategy per op, shared by every stage, solved for the pipeline's step (S + P /
+     (p + m - 1) for S the per-micro-batch seconds, P the per-step ones: `stages.step_weight`, as the
+     search solves its stage plans; `layer_profile.step_weighted`) and priced unweighted;
   3. per-unit costs of that solution (`autopar.pipeline.layer_profile`: "<pre>", each layer of the stack,
      "<post>") and the exact contiguous split into p stages (`autopar.pipeline.stages.partition`) for the
      schedule and the memory budget;
@@ -45,13 +47,13 @@ from autopar.costmodel.memory import parse_bytes
 from autopar.debug import PhaseTimer
 from autopar.errors import InfeasiblePlanError, InputError, MeshError
 from autopar.mesh import Mesh
-from autopar.pipeline.layer_profile import layer_costs
-from autopar.pipeline.stages import INTERLEAVE, chunk_in_flight, partition  # INTERLEAVE: chunks the search prices
+from autopar.pipeline.layer_profile import layer_costs, step_weighted
+from autopar.pipeline.stages import INTERLEAVE, chunk_in_flight, partition, step_weight
 from autopar.plan import NodeChoice, ParamPlacement, Plan, StagePlan
 from autopar.planning import assemble, spmd
 from autopar.planning import recompute as recompute_mod
 from autopar.planning.problem import ProblemBuilder
-from autopar.planning.solver import solve
+from autopar.planning.solver import evaluate, solve
 from autopar.sharding import recipes
 
 PP = "pp"
@@ -207,14 +209,21 @@ def _solve_stages(prob, captured, sub: Mesh, wanted, solutions, time_limit, reco
     finds no split either, with recompute None/"auto", strategies and activation recompute are solved
     together under such rows (`autopar.planning.recompute`; "none" never recomputes). The layers it
     recomputes show up in the unit costs (less activation memory, the re-run forward in backward),
-    which the split then prices. recompute "all" / a list of layer paths: forced, no row."""
+    which the split then prices. recompute "all" / a list of layer paths: forced, no row.
+    Every solve minimises the pipeline's step (`step_weighted` by `stages.step_weight`: a solution's
+    `time` is that objective); `layer_costs` prices its choice unweighted. A baseline recipe warm-starts
+    the auto solve, and the solution is never worse than the recipe, both under the weighted objective."""
     mode = recompute_mod.normalize(recompute, list(recompute_mod.layer_nodes(prob.gm)))
     fixed = None if all(r == "auto" for r in wanted) else spmd.restricted_choices(prob, captured, sub, wanted)
+    view = step_weighted(prob, step_weight=step_weight(split_fn.p, split_fn.m))
     if mode not in ("auto", "none"):
-        sol, rc = recompute_mod.solve_recompute(prob, mode, fixed=fixed, time_limit=time_limit)
+        sol, rc = recompute_mod.solve_recompute(view, mode, fixed=fixed, time_limit=time_limit)
         layers = layer_costs(prob, sol.choice, captured, recompute=rc.paths)
         return sol, "", rc, layers, split_fn(layers)
-    sol, reason = spmd.solve_requested(prob, captured, sub, wanted, solutions, time_limit)
+    if view is not prob:   # the recipes' solutions under the objective solved here
+        solutions = {name: (dataclasses.replace(s, time=evaluate(view.cg, s.choice)[0]), *rest)
+                     for name, (s, *rest) in solutions.items()}
+    sol, reason = spmd.solve_requested(view, captured, sub, wanted, solutions, time_limit)
     layers = layer_costs(prob, sol.choice, captured)
     try:
         return sol, reason, None, layers, split_fn(layers)
@@ -224,7 +233,7 @@ def _solve_stages(prob, captured, sub: Mesh, wanted, solutions, time_limit, reco
         error = e
     tries = [False] + ([True] if mode == "auto" and recompute_mod.recomputable(prob.gm) else [])
     for recompute_too in tries:
-        found = _row_search(prob, captured, fixed, time_limit, split_fn, recompute_too, error,
+        found = _row_search(prob, view, captured, fixed, time_limit, split_fn, recompute_too, error,
                             sum(x.state_bytes for x in layers))
         if not isinstance(found, InfeasiblePlanError):
             return found
@@ -232,7 +241,7 @@ def _solve_stages(prob, captured, sub: Mesh, wanted, solutions, time_limit, reco
     raise error
 
 
-def _row_search(prob, captured, fixed, time_limit, split_fn: _Splitter, recompute_too: bool,
+def _row_search(prob, view, captured, fixed, time_limit, split_fn: _Splitter, recompute_too: bool,
                 error: InfeasiblePlanError, state: float):
     """The first split within the budget of SPMD solutions under tightening memory rows, as
     `_solve_stages` returns it, or the split's InfeasiblePlanError with the least memory seen. Rows:
@@ -244,7 +253,7 @@ def _row_search(prob, captured, fixed, time_limit, split_fn: _Splitter, recomput
     step, floor = max(error.min_memory_per_device - budget, 0.01 * budget) / max(split_fn.counts), None
     for _ in range(ROW_RETRIES):
         try:
-            sol, rc = _solve_row(prob, fixed, time_limit, row, recompute_too)
+            sol, rc = _solve_row(view, fixed, time_limit, row, recompute_too)
         except InfeasiblePlanError as e:
             if floor is not None:
                 break   # even the least memory a plan keeps does not split within the budget
@@ -256,14 +265,14 @@ def _row_search(prob, captured, fixed, time_limit, split_fn: _Splitter, recomput
         except InfeasiblePlanError as e:
             error = e if e.min_memory_per_device < error.min_memory_per_device else error
         else:
-            return _fewer_recomputed(prob, captured, sol, rc, layers, split, split_fn, time_limit)
+            return _fewer_recomputed(prob, view, captured, sol, rc, layers, split, split_fn, time_limit)
         if floor is not None and row <= floor:
             break
         row, step = max(row - step, floor or 0.0), 2 * step   # the excess, doubled while it does not suffice
     return error
 
 
-def _fewer_recomputed(prob, captured, sol, rc, layers, split, split_fn: _Splitter, time_limit):
+def _fewer_recomputed(prob, view, captured, sol, rc, layers, split, split_fn: _Splitter, time_limit):
     """The found plan with the recompute the split does not need dropped: the row counts activations
     as if every stage kept the same in-flight share, and recomputes the lowest layers first, so a stage
     with room may recompute layers it need not (GPipe keeps as many micro-batches on every stage). Drops
@@ -285,12 +294,13 @@ def _fewer_recomputed(prob, captured, sol, rc, layers, split, split_fn: _Splitte
     if not on:
         return sol, "", None, layers, split
     every = {i: [int(k)] for i, k in enumerate(sol.choice)}   # the same strategies, these layers
-    sol, rc = recompute_mod.solve_recompute(prob, tuple(on), fixed=every, time_limit=time_limit)
+    sol, rc = recompute_mod.solve_recompute(view, tuple(on), fixed=every, time_limit=time_limit)
     return sol, "", rc, layers, split
 
 
 def _solve_row(prob, fixed, time_limit, row: float, recompute_too: bool):
-    """(solution, RecomputeDecision or None) of the micro-batch problem under the memory row `row`."""
+    """(solution, RecomputeDecision or None) of the micro-batch problem (`prob`: the weighted view
+    `_solve_stages` solves) under the memory row `row`."""
     prob.cg.memory_budget = row
     try:
         if recompute_too:

@@ -38,11 +38,10 @@ from autopar.errors import InfeasiblePlanError, InputError
 from autopar.mesh import Mesh
 from autopar.pipeline import planning as pipelined
 from autopar.pipeline.candidates import Candidate, branch_and_bound, price
-from autopar.pipeline.layer_profile import all_reduce_matrix, layer_costs, unit_names
+from autopar.pipeline.layer_profile import layer_costs, step_weighted, unit_names
 from autopar.pipeline.stages import INTERLEAVE, SCHEDULES, LayerCost, mesh_factorizations, step_lower_bound
 from autopar.planning import collector, spmd
 from autopar.planning import recompute as recompute_mod
-from autopar.planning.costgraph import CostEdge, CostGraph, CostNode
 from autopar.planning.forest_bound import forest_lower_bound, spanning_forest
 from autopar.planning.lp_bound import lp_lower_bound
 from autopar.planning.problem import ProblemBuilder
@@ -131,7 +130,7 @@ class Profiler:
         self.reshards: dict[tuple, ReshardCost] = {}        # layout pricing per sub-mesh, shared by every build
         self.spec_matrices: dict[tuple, dict] = {}          # ProblemBuilder's spec-pair matrices per sub-mesh, shared
         self.graph_facts: dict[int, dict] = {}              # ProblemBuilder's graph-only facts per capture (id), shared
-        self.weighted: dict[tuple, tuple] = {}              # (CostProblem key, weight) -> (CostProblem, CostGraph, cache)
+        self.weighted_views: dict[tuple, tuple] = {}        # (CostProblem key, weights) -> (CostProblem, its `weighted` view)
         self.solutions: dict[tuple, object] = {}            # layers()'s key -> the solver's Solution (plans build from it)
         self.lp_bounds: dict[tuple, float] = {}             # (CostProblem key, ratio) -> `lp_bound`
         self.recomputes: dict[tuple, tuple] = {}            # layers()'s key -> `recomputed`'s answer
@@ -206,12 +205,12 @@ class Profiler:
         if key not in self.profiles:
             prob = self.problem(m, dp, tp, strategy)
             cap, _ = self.captured(m)
-            cg, cache = self._weighted(prob, (m, *self._inner(dp, tp, strategy)), act_weight, step_weight)
-            cg.memory_budget = budget
+            view = self.weighted(m, dp, tp, strategy, act_weight, step_weight)
+            view.cg.memory_budget = budget
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    sol = solve(cg, dedup_layers=bool(cg.layer_groups), cache=cache,
+                    sol = solve(view.cg, dedup_layers=bool(view.cg.layer_groups), cache=view.solver_cache,
                                 time_limit=self.time_limit, mip_gap=SEARCH_GAP)
                 self.profiles[key] = tuple(layer_costs(prob, sol.choice, cap))
                 self.solutions[key] = sol
@@ -249,32 +248,21 @@ class Profiler:
                                     with_rc, rc)
         return self.recomputes[key]
 
-    def _weighted(self, prob, key: tuple, w: float, r: float = 1.0):
-        """(cost graph, solver cache) of `prob` with each node's activation bytes counted w times and its
-        per-step seconds r times (`step_weight`: a parameter's optimizer update and ZeRO-1/2 gather, a
-        gradient's all-reduce; `layer_costs` files them per step); the same graph and cache for w = r = 1.
-        Kept while the CostProblem is (a cache per weight: the layer quotient and the least-memory
-        relaxation depend on the vectors)."""
-        if w == 1.0 and r == 1.0:
-            return prob.cg, prob.solver_cache
-        found = self.weighted.get((key, w, r))
+    def weighted(self, m: int, dp: int, tp: int, strategy=None, act_weight: float = 1.0, step_weight: float = 1.0):
+        """`layer_profile.step_weighted` of the (m, dp, tp) CostProblem: the view the solver minimises when
+        activations count `act_weight` times and per-step seconds `step_weight` times; the CostProblem itself
+        for weights 1. Kept while the CostProblem is (a view per weight: its solver cache holds the layer
+        quotient and the least-memory relaxation, which depend on the weighted vectors)."""
+        prob = self.problem(m, dp, tp, strategy)
+        if act_weight == 1.0 and step_weight == 1.0:
+            return prob
+        key = ((m, *self._inner(dp, tp, strategy)), act_weight, step_weight)
+        found = self.weighted_views.get(key)
         if found is None or found[0] is not prob:
-            nodes = []
-            for n, nd, mem in zip(prob.nodes, prob.cg.nodes, prob.memory):
-                assert len(mem["activations"]) == len(nd.memory), "cost-graph node and CostProblem memory disagree"
-                time = nd.time * r if n.op == "placeholder" else nd.time
-                nodes.append(CostNode(nd.name, time, np.asarray(nd.memory) + (w - 1.0) * mem["activations"]))
-            edges, once = list(prob.cg.edges), {}   # identical layers' gradient edges share one matrix
-            for j, e in enumerate(prob.edges) if r != 1.0 else ():
-                if e.kind == "grad":
-                    same = (id(prob.strategies[e.src]), id(prob.strategies[e.dst]), e.out, e.nbytes, id(edges[j].time))
-                    if same not in once:
-                        once[same] = edges[j].time - (1.0 - r) * all_reduce_matrix(prob, e)
-                    edges[j] = CostEdge(e.src, e.dst, once[same])
-            cg = CostGraph(nodes, edges, None, prob.cg.memory_offset, prob.cg.layer_groups)
-            self.weighted = {k: v for k, v in self.weighted.items() if any(v[0] is p for p in self.problems.values())}
-            found = self.weighted[key, w, r] = (prob, cg, {})
-        return found[1], found[2]
+            self.weighted_views = {k: v for k, v in self.weighted_views.items()
+                                   if any(v[0] is p for p in self.problems.values())}
+            found = self.weighted_views[key] = (prob, step_weighted(prob, act_weight, step_weight))
+        return found[1]
 
     def forest_bound(self, m: int, dp: int, tp: int, strategy, pp: int, schedule: str) -> float:
         """`stages.step_lower_bound`'s objective f * (per micro-batch) + (per step) / pp, bounded from below
