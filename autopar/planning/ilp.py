@@ -200,14 +200,15 @@ def integral_relaxation(p: SolverProblem, gap: float) -> tuple[dict[int, int], s
     return choice, "optimal", bound
 
 
-def solve_lp(p: SolverProblem, cost_scale: float = 1.0, tight: bool = False, budget: bool = True
-             ) -> tuple[float, dict[int, dict[int, float]]] | None:
+def solve_lp(p: SolverProblem, cost_scale: float = 1.0, tight: bool = False, budget: bool = True,
+             presolve: bool = True) -> tuple[float, dict[int, dict[int, float]]] | None:
     """The LP relaxation of `build_model`'s model (every x and e in [0, 1]; p's memory row unless
     `budget=False`, in bytes over the largest coefficient), built from arrays and solved by HiGHS
     through scipy: (objective without p.time_offset, {i: {s: x[i,s]}}), or None when HiGHS proves
     no optimum. pywraplp builds the same model one coefficient at a time: 1.3 CPU s a model on
     Llama-3.1-405B's 2-D sub-meshes (~20% of its search), this a few hundredths. `cost_scale`
-    multiplies every cost (the objective is returned unscaled); `tight`: feasibility tolerances 1e-9."""
+    multiplies every cost (the objective is returned unscaled); `tight`: feasibility tolerances 1e-9;
+    `presolve`: HiGHS's (`relaxation_bound` skips it: see there)."""
     xs: dict[int, tuple[np.ndarray, int]] = {}   # node -> (allowed strategies, first column)
     costs, ncols = [], 0
     for i, t in p.time.items():
@@ -251,7 +252,7 @@ def solve_lp(p: SolverProblem, cost_scale: float = 1.0, tight: bool = False, bud
         for i, (allowed, first) in xs.items():
             row[first:first + len(allowed)] = p.memory[i][allowed] / unit
         a_ub, b_ub = row[None, :], np.array([(p.budget - p.memory_offset) / unit])
-    options = {"presolve": True}
+    options = {"presolve": presolve}
     if tight:
         options.update(primal_feasibility_tolerance=1e-9, dual_feasibility_tolerance=1e-9)
     c = np.concatenate(costs) * cost_scale
@@ -310,7 +311,10 @@ def relaxation_bound(p: SolverProblem) -> float:
     finite = np.concatenate([c[np.isfinite(c)].ravel() for c in (*p.time.values(), *p.edges.values())])
     positive = finite[finite > 0]
     k = 1.0 / float(np.median(positive)) if positive.size else 1.0
-    solved = solve_lp(p, cost_scale=k, tight=True, budget=False)
+    # no presolve: p is `simplify`'s reduction already, and HiGHS's presolve cost more than it saved
+    # (Llama-3-70B's 2-D layer quotients, 133k-228k columns: 0.27 / 0.49 CPU s without it against
+    # 0.75 / 1.2 s with it, the same optimum to 1e-14 at these tolerances)
+    solved = solve_lp(p, cost_scale=k, tight=True, budget=False, presolve=False)
     if solved is None:
         return -math.inf
     return solved[0] + p.time_offset

@@ -151,6 +151,7 @@ class ReshardCost:
         self._by_value: dict[Spec, int] = {}
         self._terms = lru_cache(maxsize=None)(self._step_terms)
         self._affine: dict[tuple, np.ndarray] = {}   # `matrix`'s coefficients
+        self._pair_coefficients: dict[tuple[int, int, bool], tuple] = {}   # `_coefficients` per spec pair
 
     def _number(self, spec: Spec) -> int:
         found = self._by_id.get(id(spec))
@@ -225,7 +226,11 @@ class ReshardCost:
             for i, (a, na) in enumerate(zip(a_specs, key[0])):
                 for j, (b, nb) in enumerate(zip(b_specs, key[1])):
                     if na != nb:
-                        coef[:, i, j] = self._coefficients(self._pair(a, b, na, nb), bucketed)
+                        found = self._pair_coefficients.get((na, nb, bucketed))
+                        if found is None:   # a pair recurs in many spec lists
+                            found = self._pair_coefficients[na, nb, bucketed] = self._coefficients(
+                                self._pair(a, b, na, nb), bucketed)
+                        coef[:, i, j] = found
             self._affine[key] = coef
         slope, fixed, gathered = coef
         nbytes = float(nbytes)
