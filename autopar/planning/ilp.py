@@ -183,13 +183,14 @@ def run_model(m: _Model, p: SolverProblem, backend: str, seconds: float, hint: d
 
 
 def integral_relaxation(p: SolverProblem, gap: float) -> tuple[dict[int, int], str, float] | None:
-    """Solve the LP relaxation (x continuous, `solve_lp`); when its optimum is integral it is the ILP's
-    optimum (the LP's value bounds every integer plan from below, and this plan attains it), found without
+    """Solve the LP relaxation (x continuous, scaled as `relaxation_bound` scales it); when its optimum is
+    integral it is the ILP's optimum (the LP's value bounds every integer plan from below, and this plan
+    attains it), found without
     HiGHS's MIP machinery: presolve, root cuts and heuristics cost 2-15x the LP on these models even
     when the LP is already integral, as it is without a memory row (the marginal polytope of these
     tree-like graphs) and often with one. When it is fractional, the best plan on the LP's support
     (`_support_plan`) is taken if within `gap` of the LP's value. None otherwise: the MIP runs."""
-    solved = solve_lp(p)
+    solved = _solve_lp_scaled(p)
     if solved is None:
         return None
     bound, values = solved
@@ -308,13 +309,19 @@ def relaxation_bound(p: SolverProblem) -> float:
     of 1 and solved to 1e-9: the same graph then gives the optimum to 1e-15."""
     if not p.time:
         return p.time_offset
-    finite = np.concatenate([c[np.isfinite(c)].ravel() for c in (*p.time.values(), *p.edges.values())])
-    positive = finite[finite > 0]
-    k = 1.0 / float(np.median(positive)) if positive.size else 1.0
-    # no presolve: p is `simplify`'s reduction already, and HiGHS's presolve cost more than it saved
-    # (Llama-3-70B's 2-D layer quotients, 133k-228k columns: 0.27 / 0.49 CPU s without it against
-    # 0.75 / 1.2 s with it, the same optimum to 1e-14 at these tolerances)
-    solved = solve_lp(p, cost_scale=k, tight=True, budget=False, presolve=False)
+    solved = _solve_lp_scaled(p, budget=False)
     if solved is None:
         return -math.inf
     return solved[0] + p.time_offset
+
+
+def _solve_lp_scaled(p: SolverProblem, budget: bool = True):
+    """`solve_lp` with costs scaled to a median coefficient of 1 and tolerances 1e-9 (`relaxation_bound`),
+    without HiGHS's presolve: p is `simplify`'s reduction already, and the presolve cost more than it
+    saved (Llama-3-70B's 2-D layer quotients, 133k-228k columns: 0.27 / 0.49 CPU s without it against
+    0.75 / 1.2 s with it, the same optimum to 1e-14)."""
+    costs = [c[np.isfinite(c)].ravel() for c in (*p.time.values(), *p.edges.values())]
+    finite = np.concatenate(costs) if costs else np.zeros(0)
+    positive = finite[finite > 0]
+    k = 1.0 / float(np.median(positive)) if positive.size else 1.0
+    return solve_lp(p, cost_scale=k, tight=True, budget=budget, presolve=False)
