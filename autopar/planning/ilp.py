@@ -185,10 +185,9 @@ def run_model(m: _Model, p: SolverProblem, backend: str, seconds: float, hint: d
 def integral_relaxation(p: SolverProblem, gap: float) -> tuple[dict[int, int], str, float] | None:
     """Solve the LP relaxation (x continuous, scaled as `relaxation_bound` scales it); when its optimum is
     integral it is the ILP's optimum (the LP's value bounds every integer plan from below, and this plan
-    attains it), found without
-    HiGHS's MIP machinery: presolve, root cuts and heuristics cost 2-15x the LP on these models even
-    when the LP is already integral, as it is without a memory row (the marginal polytope of these
-    tree-like graphs) and often with one. When it is fractional, the best plan on the LP's support
+    attains it), found without HiGHS's MIP machinery: presolve, root cuts and heuristics cost 2-15x the
+    LP on these models even when the LP is already integral, as it is without a memory row (the marginal
+    polytope of these tree-like graphs) and often with one. When it is fractional, the best plan on the LP's support
     (`_support_plan`) is taken if within `gap` of the LP's value. None otherwise: the MIP runs."""
     solved = _solve_lp_scaled(p)
     if solved is None:
