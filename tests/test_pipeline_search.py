@@ -86,6 +86,7 @@ def test_stage_plans_minimise_the_schedules_weighting_of_per_step_seconds():
         ratios.append(steps[1] / steps[0])
     assert min(ratios) < 0.9, ratios   # 0.70-0.90 when measured
 
+
 def test_forced_stages_solve_the_stage_plan_for_the_pipelines_step():
     """`plan(num_stages=p)` solves its stage plan as the search does, for S + P / (p + m - 1): its predicted
     step is the split of the search's weighted profile, below the split of the S + P plan (whose per-step

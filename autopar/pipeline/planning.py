@@ -53,7 +53,7 @@ from autopar.plan import NodeChoice, ParamPlacement, Plan, StagePlan
 from autopar.planning import assemble, spmd
 from autopar.planning import recompute as recompute_mod
 from autopar.planning.problem import ProblemBuilder
-from autopar.planning.solver import evaluate, solve
+from autopar.planning.solver import evaluate
 from autopar.sharding import recipes
 
 PP = "pp"
@@ -306,8 +306,7 @@ def _solve_row(prob, fixed, time_limit, row: float, recompute_too: bool):
         if recompute_too:
             sol, rc = recompute_mod.solve_recompute(prob, "auto", fixed=fixed, time_limit=time_limit)
             return sol, rc if rc.paths else None
-        return solve(prob.cg, dedup_layers=bool(prob.cg.layer_groups), fixed=fixed, time_limit=time_limit,
-                     cache=prob.solver_cache), None
+        return spmd.solve_problem(prob, fixed=fixed, time_limit=time_limit), None
     finally:
         prob.cg.memory_budget = None
 

@@ -46,7 +46,6 @@ from autopar.planning.forest_bound import forest_lower_bound, spanning_forest
 from autopar.planning.lp_bound import lp_lower_bound
 from autopar.planning.problem import ProblemBuilder
 from autopar.planning.reshard import ReshardCost
-from autopar.planning.solver import solve
 from autopar.sharding import recipes
 
 DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -210,8 +209,7 @@ class Profiler:
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    sol = solve(view.cg, dedup_layers=bool(view.cg.layer_groups), cache=view.solver_cache,
-                                time_limit=self.time_limit, mip_gap=SEARCH_GAP)
+                    sol = spmd.solve_problem(view, time_limit=self.time_limit, mip_gap=SEARCH_GAP)
                 self.profiles[key] = tuple(layer_costs(prob, sol.choice, cap))
                 self.solutions[key] = sol
             except InfeasiblePlanError as e:

@@ -187,8 +187,8 @@ def integral_relaxation(p: SolverProblem, gap: float) -> tuple[dict[int, int], s
     integral it is the ILP's optimum (the LP's value bounds every integer plan from below, and this plan
     attains it), found without HiGHS's MIP machinery: presolve, root cuts and heuristics cost 2-15x the
     LP on these models even when the LP is already integral, as it is without a memory row (the marginal
-    polytope of these tree-like graphs) and often with one. When it is fractional, the best plan on the LP's support
-    (`_support_plan`) is taken if within `gap` of the LP's value. None otherwise: the MIP runs."""
+    polytope of these tree-like graphs) and often with one. When it is fractional, the best plan on the
+    LP's support (`_support_plan`) is taken if within `gap` of the LP's value. None otherwise: the MIP runs."""
     solved = _solve_lp_scaled(p)
     if solved is None:
         return None
@@ -208,7 +208,7 @@ def solve_lp(p: SolverProblem, cost_scale: float = 1.0, tight: bool = False, bud
     no optimum. pywraplp builds the same model one coefficient at a time: 1.3 CPU s a model on
     Llama-3.1-405B's 2-D sub-meshes (~20% of its search), this a few hundredths. `cost_scale`
     multiplies every cost (the objective is returned unscaled); `tight`: feasibility tolerances 1e-9;
-    `presolve`: HiGHS's (`relaxation_bound` skips it: see there)."""
+    `presolve`: HiGHS's (`_solve_lp_scaled` skips it: see there)."""
     xs: dict[int, tuple[np.ndarray, int]] = {}   # node -> (allowed strategies, first column)
     costs, ncols = [], 0
     for i, t in p.time.items():

@@ -153,9 +153,9 @@ def _restricted_choices(prob, captured, mesh, names, propagated=None) -> dict[in
     return fixed
 
 
-def _solve(prob, **kw):
-    """The solver on the whole cost graph; identical layers are solved once and tiled. The solves of
-    one plan share `prob.solver_cache` (the layer quotient is built once)."""
+def solve_problem(prob, **kw):
+    """The solver on a CostProblem's whole cost graph; identical layers are solved once and tiled. The
+    solves of one plan share `prob.solver_cache` (the layer quotient is built once)."""
     return solve(prob.cg, dedup_layers=bool(prob.cg.layer_groups), cache=prob.solver_cache, **kw)
 
 
@@ -166,7 +166,7 @@ def solve_baselines(prob, captured, mesh, time_limit):
         names = (name,) * mesh.ndim
         fixed = restricted_choices(prob, captured, mesh, names, propagated)
         try:
-            sol = _solve(prob, fixed=fixed, time_limit=time_limit)
+            sol = solve_problem(prob, fixed=fixed, time_limit=time_limit)
         except InfeasiblePlanError as e:
             table[name] = {"feasible": False, "time": None, "memory": e.min_memory_per_device,
                            "reason": f"needs {format_bytes(e.min_memory_per_device)} per device"}
@@ -181,7 +181,7 @@ def budget_free(prob, time_limit=None, fixed=None):
     """The fastest plan of `prob` without its memory row (the row put back after)."""
     budget, prob.cg.memory_budget = prob.cg.memory_budget, None
     try:
-        return _solve(prob, fixed=fixed, time_limit=time_limit)
+        return solve_problem(prob, fixed=fixed, time_limit=time_limit)
     finally:
         prob.cg.memory_budget = budget
 
@@ -189,7 +189,7 @@ def budget_free(prob, time_limit=None, fixed=None):
 def solve_requested(prob, captured, mesh, wanted, solutions, time_limit):
     if all(r == "auto" for r in wanted):
         best = min((s for s, _ in solutions.values()), key=lambda s: s.time, default=None)
-        sol = _solve(prob, time_limit=time_limit, hint=best.choice if best is not None else None)
+        sol = solve_problem(prob, time_limit=time_limit, hint=best.choice if best is not None else None)
         if best is not None and best.time < sol.time:  # never worse than a recipe it contains
             sol = best
         return sol, ""
@@ -197,7 +197,7 @@ def solve_requested(prob, captured, mesh, wanted, solutions, time_limit):
         return solutions[wanted[0]][0], ""
     fixed = restricted_choices(prob, captured, mesh, wanted)
     try:
-        return _solve(prob, fixed=fixed, time_limit=time_limit), ""
+        return solve_problem(prob, fixed=fixed, time_limit=time_limit), ""
     except InfeasiblePlanError as e:
         budget, sol = prob.cg.memory_budget, budget_free(prob, time_limit, fixed)
         reason = (f"strategy {'/'.join(wanted)} needs at least {format_bytes(e.min_memory_per_device)} per device; "
