@@ -161,17 +161,16 @@ def _recomputed_layers(prof, pp, m, dp, tp, strategy):
     """The unit costs of the (m, dp, tp) SPMD plan of `strategy` with every layer recomputed, cached: solved,
     as the search solves its stage plans, for the pipeline's weighting of per-step seconds
     (`stages.step_weight`; pp = devices / (dp tp), so (m, dp, tp) fixes it), priced unweighted."""
-    from autopar.pipeline.layer_profile import layer_costs
+    from autopar.pipeline.search import unit_costs
     from autopar.pipeline.stages import step_weight
     from autopar.planning import recompute
     key = ("ac", m, dp, tp, repr(sorted(strategy.items())))
     if key not in prof.profiles:
-        prob = prof.problem(m, dp, tp, strategy)
-        cap, _ = prof.captured(m)
+        prob = prof.problem(m, dp, tp, strategy)   # the three-layer graph's where it stands for the full one
         # solved on the weighted view (no memory row: the split enforces the budget), priced on prob
         view = prof.weighted(m, dp, tp, strategy, step_weight=step_weight(pp, m))
         sol, rc = recompute.solve_recompute(view, "all", fixed=None, time_limit=prof.time_limit)
-        prof.profiles[key] = tuple(layer_costs(prob, sol.choice, cap, recompute=rc.paths))
+        prof.profiles[key] = tuple(unit_costs(prob, sol.choice, rc.paths))
     return prof.profiles[key]
 
 

@@ -263,7 +263,7 @@ def test_profiler_graphs_and_problems_equal_a_plain_capture_and_build():
             canonicalize(plain.gm)
             assert nodes(cap.gm) == nodes(plain.gm) and cap.gm.code == plain.gm.code
             fresh = ProblemBuilder(plain, prof.sub_mesh(2, 4)).build()
-            shared = prof.problem(m, 2, 4)
+            shared = prof.problem(m, 2, 4, full=True)   # the full graph's (the search's own: tests/test_depth.py)
             assert len(shared.cg.edges) == len(fresh.cg.edges) > 0
             for a, b in zip(shared.cg.nodes, fresh.cg.nodes):
                 np.testing.assert_array_equal(a.time, b.time)

@@ -99,7 +99,8 @@ def copy_captured(captured: Any) -> Any:
         tied={k: list(v) for k, v in captured.tied.items()}, buffer_names=list(captured.buffer_names),
         input_names=list(captured.input_names), grad_param_names=list(captured.grad_param_names),
         unused_params=list(captured.unused_params), param_shapes=dict(captured.param_shapes),
-        param_dtypes=dict(captured.param_dtypes), stamped=dict(captured.stamped))
+        param_dtypes=dict(captured.param_dtypes), stamped=dict(captured.stamped),
+        shallow=dict(captured.shallow))
 
 
 # ---------------------------------------------------------------- keys

@@ -257,6 +257,15 @@ def _match_ref(x: fx.Node, y: fx.Node, i: int, layers: _Layers, part: str) -> No
     raise StampError(f"{x} vs {y}: unmatched reference")
 
 
+def check_stack(gm: fx.GraphModule, stack: LayerStack, loss: fx.Node) -> dict[fx.Node, tuple[int, fx.Node]]:
+    """The checks of `stamp_stack` alone (StampError when they fail): the traced graph's layer 1 then
+    stands for each of the stack's middle layers, node for node (a shallow capture's promise).
+    Returns each traced layer's node -> (its layer, layer 1's node in the same place)."""
+    layers = _split_layers(gm, stack.path, loss)
+    _check_alike(layers)
+    return {n: (w[0], layers.at(1, w[1], w[2])) for n, w in layers.where.items()}
+
+
 def stamp_stack(gm: fx.GraphModule, stack: LayerStack, loss: fx.Node,
                 grads: dict[str, fx.Node]) -> dict[str, fx.Node]:
     """Insert copies of layer 1 so the stack has stack.num_layers layers; rename layer 2 to the last.

@@ -66,6 +66,9 @@ class Captured:
     param_shapes: dict[str, torch.Size] = field(default_factory=dict)
     param_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     stamped: dict[str, int] = field(default_factory=dict)  # layer stack FQN -> layers (traced 3, stamped)
+    # capture(shallow=True): the one stack, traced 3 layers deep and not stamped out -> its layer count
+    # (layer 1 of the graph stands for layers 1 .. L - 2: `autopar.pipeline.depth`)
+    shallow: dict[str, int] = field(default_factory=dict)
     mixed_precision: MixedPrecision | None = None  # the forward was traced under this autocast policy
 
     @property
@@ -114,6 +117,7 @@ def capture(
     stamp_layers: bool = True,
     mixed_precision: MixedPrecision | None = None,
     cache: bool | None = None,
+    shallow: bool = False,
 ) -> Captured:
     """Capture one training step of `model` as a joint forward+backward ATen graph.
 
@@ -122,7 +126,10 @@ def capture(
     with `.loss`, a dict with "loss" or a tuple/list with exactly one scalar floating item, such as
     `(logits, loss)`) or `loss_fn(output, *example_inputs)` must compute it. Parameters may live on the meta device: nothing is allocated.
     A stack of alike layers is traced three layers deep and stamped out (`autopar/capture/stamp.py`);
-    `stamp_layers=False` traces every layer. `mixed_precision` traces the forward under autocast
+    `stamp_layers=False` traces every layer. `shallow=True` returns the three traced layers without stamping
+    them out, when the model has exactly one such stack and its traced layers pass stamping's checks
+    (`Captured.shallow` then names the stack and its depth; otherwise it is empty and the graph is the
+    full one): what the layout search prices (`autopar.pipeline.depth`). `mixed_precision` traces the forward under autocast
     (`autopar.capture.precision`): the graph holds autocast's casts, parameters stay fp32.
 
     Cache (`autopar/capture/cache.py`): a second capture of the same model object with inputs and
@@ -146,6 +153,8 @@ def capture(
     args, kwargs = _check_inputs(example_inputs, example_kwargs)          # 1. validate, name
     _bind_inputs(model, args, kwargs)
     options = dict(loss_fn=loss_fn, decompose=decompose, stamp_layers=stamp_layers, mixed_precision=mixed_precision)
+    if shallow:   # a separate cache entry: a full capture of the same call stays a full one
+        options["shallow"] = True
     if capture_cache.enabled(cache):
         trace = lambda: _capture_layers(model, args, kwargs, **options)  # noqa: E731
         return capture_cache.cached(model, args, kwargs, options, trace)
@@ -153,9 +162,14 @@ def capture(
 
 
 def _capture_layers(model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: Callable | None, decompose: bool,
-                    stamp_layers: bool, mixed_precision: MixedPrecision | None) -> Captured:
-    """Trace with layer stamping, or every layer when stamping does not apply."""
-    stacks = stamp.find_stacks(model) if stamp_layers else []
+                    stamp_layers: bool, mixed_precision: MixedPrecision | None, shallow: bool = False) -> Captured:
+    """Trace with layer stamping, or every layer when stamping does not apply; `shallow`: see `capture`."""
+    stacks = stamp.find_stacks(model) if stamp_layers or shallow else []
+    if shallow and len(stacks) == 1:
+        try:
+            return _capture(model, args, kwargs, loss_fn, decompose, stacks, mixed_precision, stamp_out=False)
+        except stamp.StampError as e:
+            log.info("capture: no shallow graph, stamping out: %s", e)
     if stacks:
         try:
             return _capture(model, args, kwargs, loss_fn, decompose, stacks, mixed_precision)
@@ -165,7 +179,8 @@ def _capture_layers(model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: Cal
 
 
 def _capture(model: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable | None, decompose: bool,
-             stacks: list[stamp.LayerStack], mixed_precision: MixedPrecision | None = None) -> Captured:
+             stacks: list[stamp.LayerStack], mixed_precision: MixedPrecision | None = None,
+             stamp_out: bool = True) -> Captured:
     start = time.perf_counter()
     traced = stamp.shallow_model(model, stacks) if stacks else model
     input_names, flat_inputs, call = _bind_inputs(traced, args, kwargs)
@@ -193,8 +208,10 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable | No
     roles = ["param"] * len(params) + ["buffer"] * len(buffers) + ["input"] * len(input_names)
     _annotate(gm, names, roles)
     moe_rewrite.fuse_grouped_mm(gm)                                       # stand-ins -> grouped matmuls
-    if stacks:                                                            # 6. stamp out the layers
+    if stacks and stamp_out:                                              # 6. stamp out the layers
         params, tied, buffers, grad_names = _stamp(gm, model, stacks, grad_names, input_names)
+    elif stacks:   # shallow: only the checks that make layer 1 stand for every middle layer
+        _check_stamp(traced, stacks, gm)
     used = _params_used_in_forward(gm)
     log.info("capture: export %.2f s, joint trace %.2f s, %d nodes", exported_at - start,
              time.perf_counter() - exported_at, len(gm.graph.nodes))
@@ -204,8 +221,22 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable | No
         unused_params=[n for n in params if n not in used],
         param_shapes={n: p.shape for n, p in params.items()},
         param_dtypes={n: p.dtype for n, p in params.items()},
-        stamped={s.path: s.num_layers for s in stacks}, mixed_precision=mixed_precision,
+        stamped={s.path: s.num_layers for s in stacks} if stamp_out else {}, mixed_precision=mixed_precision,
+        shallow={} if stamp_out else {s.path: s.num_layers for s in stacks},
     )
+
+
+def _check_stamp(traced: nn.Module, stacks: list, gm: torch.fx.GraphModule) -> None:
+    """Raise StampError where `_stamp` would (tied tensors in a stack, traced layers not alike) without
+    stamping anything out."""
+    _, tied = _unique_tensors(traced.named_parameters(remove_duplicate=False))
+    _, buffer_ties = _unique_tensors(traced.named_buffers(remove_duplicate=False))
+    for name in [*_alias_map(tied), *_alias_map(buffer_ties), *tied, *buffer_ties]:
+        if any(name.startswith(s.path + ".") for s in stacks):
+            raise stamp.StampError(f"{name} is tied to another tensor")
+    loss = gm.graph.output_node().args[0][0]
+    for stack in stacks:
+        stamp.check_stack(gm, stack, loss)
 
 
 def _grad_names(params: dict[str, torch.Tensor]) -> list[str]:

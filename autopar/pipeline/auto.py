@@ -42,7 +42,8 @@ One capture of the whole batch (under the mixed-precision policy, with `example_
      added (a batch of 64 that 64 devices run as a pipeline runs on 1,024 as 64 x 16).
   4. The fastest feasible candidate is the plan. A pipelined one is built from the very solution the
      search priced (`Profiler.solution`, with its recomputed layers: `Profiler.recomputed`;
-     `stages.partition`'s split): its predicted step and memory are the search's.
+     `stages.partition`'s split), mapped from the three-layer graph the search priced onto the full one
+     (`Profiler.full_solution`): its predicted step and memory are the search's.
 When nothing fits, InfeasiblePlanError.min_memory_per_device is a lower bound over the whole space:
 the least of the SPMD solver's bound (with recompute) and, for pipelines, the model's state sharded
 over every device (no split of any stage count holds less). The message also names the least
@@ -248,12 +249,9 @@ def pipelined_plan(prof: Profiler, best: Candidate, model, budget, timer) -> Pla
     """The pipelined Plan of a priced candidate, from the solution and split the search priced."""
     m, sub = best.num_microbatches, prof.sub_mesh(best.dp, best.tp)
     cap, inputs = prof.captured(m)
-    prob = prof.problem(m, best.dp, best.tp)
-    args = (m, best.dp, best.tp, best.inner_budget, None, best.inner_weight, best.inner_step_weight)
-    if best.recompute:   # the same plan with its layers recomputed, as the search priced it
-        layers, sol, rc = prof.recomputed(*args)
-    else:                # the profile and solution the search priced (cached there)
-        layers, sol, rc = prof.layers(*args), prof.solution(*args), None
+    # the profile and solution the search priced (with its layers recomputed if it priced so), on the full graph
+    prob, layers, sol, rc = prof.full_solution(m, best.dp, best.tp, best.inner_budget, None, best.inner_weight,
+                                               best.inner_step_weight, recompute=bool(best.recompute))
     wanted = recipes.normalize("auto", sub)
     one_stage = spmd.assemble_plan(prob, cap, sub, "auto", wanted, None, sol, "", {}, timer, model, inputs)
     one_stage = assemble.with_recompute(one_stage, prob, sol.choice, rc)

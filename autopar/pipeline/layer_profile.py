@@ -126,7 +126,7 @@ def layer_costs(prob: CostProblem, choice: np.ndarray, captured=None, recompute:
         t, u = float(ce.time[choice[e.src], choice[e.dst]]), unit[e.dst]
         bwd[u] += extra_edge[j]
         if e.kind == "grad":
-            once = _all_reduce_seconds(prob, e, choice)
+            once = _all_reduce_seconds(prob, e, choice) * multiplicity(prob, e.dst)
             step[unit[e.src]] += once
             bwd[unit[e.dst]] += max(0.0, t - once)
         elif prob.nodes[e.dst].meta.get(PHASE) == "forward":
@@ -148,7 +148,7 @@ def _shared(prob: CostProblem, choice: np.ndarray, unit: list[int]) -> dict[int,
     once = {e.src: 0.0 for e in prob.edges if e.kind == "grad"}
     for e in prob.edges:
         if e.kind == "grad":
-            once[e.src] += _all_reduce_seconds(prob, e, choice)
+            once[e.src] += _all_reduce_seconds(prob, e, choice) * multiplicity(prob, e.dst)
     out: dict[int, list[tuple]] = {}
     for i, node in enumerate(prob.nodes):
         if node.op != "placeholder" or node.meta.get(ROLE) not in ("param", "buffer"):
@@ -219,10 +219,18 @@ def step_weighted(prob: CostProblem, act_weight: float = 1.0, step_weight: float
         if e.kind == "grad":
             same = (id(prob.strategies[e.src]), id(prob.strategies[e.dst]), e.out, e.nbytes, id(edges[j].time))
             if same not in once:
-                once[same] = edges[j].time - (1.0 - step_weight) * all_reduce_matrix(prob, e)
+                once[same] = edges[j].time - (1.0 - step_weight) * multiplicity(prob, e.dst) * all_reduce_matrix(prob, e)
             edges[j] = CostEdge(e.src, e.dst, once[same])
     cg = CostGraph(nodes, edges, None, prob.cg.memory_offset, prob.cg.layer_groups)   # no memory row: callers set it
     return dataclasses.replace(prob, cg=cg, solver_cache={})
+
+
+def multiplicity(prob: CostProblem, i: int) -> float:
+    """How many layers node i stands for: 1, or L - 2 for the middle layer of a shallow graph's
+    problem (`autopar.pipeline.depth.weighted`), whose arrays count it so; terms priced from shapes
+    here (a gradient's all-reduce share) are multiplied by it."""
+    mult = prob.derived.get("multiplicity")
+    return 1.0 if mult is None else float(mult[i])
 
 
 def _all_reduce_seconds(prob: CostProblem, e, choice: np.ndarray) -> float:

@@ -6,7 +6,9 @@ cross the slow inter-node link), every micro-batch count m dividing the batch (b
 m in {pp, 2pp, 4pp}; m = 1 or gradient accumulation for pp = 1) with dp dividing the
 micro-batch, and every schedule. Each candidate is priced in three steps:
   1. the micro-batch graph (inputs split along dim 0) is planned by the SPMD solver on the (dp, tp)
-     sub-mesh: layer stamping at capture, no baselines, identical layers solved once;
+     sub-mesh: no baselines, identical layers solved once; a stack of L alike layers is priced on its
+     three-layer graph with the middle layer counted L - 2 times (`autopar.pipeline.depth`: the full
+     graph's prices), the chosen plan mapped onto the full graph (`Profiler.full_solution`);
   2. `layer_profile.layer_costs` turns that plan into per-unit seconds and bytes;
   3. `stages.partition` splits the units into pp stages exactly for the schedule, under the budget.
 Steps 1-2 depend on (micro-batch size, dp, tp) only, not on pp or the schedule: they are cached and
@@ -23,6 +25,7 @@ A forced `strategy` per sub-mesh axis turns the same machinery into the hand-wri
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 
@@ -36,6 +39,7 @@ from autopar.capture.trace import capture
 from autopar.costmodel.memory import format_bytes, optimizer_state_bytes_per_param, parse_bytes
 from autopar.errors import InfeasiblePlanError, InputError
 from autopar.mesh import Mesh
+from autopar.pipeline import depth
 from autopar.pipeline import planning as pipelined
 from autopar.pipeline.candidates import Candidate, branch_and_bound, price
 from autopar.pipeline.layer_profile import layer_costs, step_weighted, unit_names
@@ -46,6 +50,7 @@ from autopar.planning.forest_bound import forest_lower_bound, spanning_forest
 from autopar.planning.lp_bound import lp_lower_bound
 from autopar.planning.problem import ProblemBuilder
 from autopar.planning.reshard import ReshardCost
+from autopar.planning.solver import evaluate
 from autopar.sharding import recipes
 
 DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -114,14 +119,22 @@ def microbatch_counts(batch: int, pp: int, dp: int, requested=None) -> list[int]
 
 
 class Profiler:
-    """Captures (per micro-batch size) and unit profiles (per size, dp, tp, memory row), cached."""
+    """Captures (per micro-batch size) and unit profiles (per size, dp, tp, memory row), cached.
+    With `shallow` (the default) a model whose layers form one stack of alike layers is priced on its
+    three-layer graph, the middle layer counted for all the others (`autopar.pipeline.depth`: the same
+    prices as the full graph's, at a fraction of the cost); the plan the search returns is built on the
+    full graph (`full_solution`)."""
 
     def __init__(self, model, example_inputs, hardware, devices_per_node: int, optimizer: str = "adamw",
-                 loss_fn=None, time_limit: float | None = None, mixed_precision=None, example_kwargs=None):
+                 loss_fn=None, time_limit: float | None = None, mixed_precision=None, example_kwargs=None,
+                 shallow: bool = True):
         self.model, self.inputs, self.loss_fn = model, example_inputs, loss_fn
         self.policy, self.kwargs = precision.as_policy(mixed_precision), example_kwargs or {}
         self.hardware, self.dpn, self.optimizer, self.time_limit = hardware, devices_per_node, optimizer, time_limit
         self.captures: dict[int, tuple] = {}
+        self.shallow = shallow
+        self.shallow_captures: dict[int, object] = {}       # m -> the three-layer Captured, or None (full graph)
+        self.depth_notes: dict[int, str] = {}               # m -> why its shallow graph is not priced ("" if it is)
         self.profiles: dict[tuple, tuple[LayerCost, ...] | InfeasiblePlanError] = {}
         self.problems: dict[tuple, object] = {}            # insertion-ordered: the oldest is dropped first
         self.floors: dict[int, tuple[float, float, int]] = {}   # (per micro-batch, per step, units)
@@ -136,37 +149,69 @@ class Profiler:
         self.expanded: tuple = (None, None)                 # (CostProblem, recompute.expand of it): the last one
 
     def captured(self, m: int):
+        """(the full micro-batch graph of batch / m, canonicalized; its inputs)."""
         if m not in self.captures:
-            inputs, kwargs = split_inputs(self.inputs, m, batch_size(self.inputs)), {}
-            if self.kwargs:
-                kwargs = split_inputs((self.kwargs,), m, batch_size(self.inputs))[0]
-            # the graph is costed, not run: no code generation per rewrite; tracing leaves cyclic garbage
-            with compat.lazy_recompile(), collector.running():
-                cap = capture(self.model, inputs, example_kwargs=kwargs or None, loss_fn=self.loss_fn,
-                              stamp_layers=True, mixed_precision=self.policy)
-                canonicalize(cap.gm)
-            self.captures[m] = (cap, inputs)
+            self.captures[m] = self._capture(m, shallow=False)
         return self.captures[m]
+
+    def _capture(self, m: int, shallow: bool):
+        inputs, kwargs = split_inputs(self.inputs, m, batch_size(self.inputs)), {}
+        if self.kwargs:
+            kwargs = split_inputs((self.kwargs,), m, batch_size(self.inputs))[0]
+        # the graph is costed, not run: no code generation per rewrite; tracing leaves cyclic garbage
+        with compat.lazy_recompile(), collector.running():
+            cap = capture(self.model, inputs, example_kwargs=kwargs or None, loss_fn=self.loss_fn,
+                          stamp_layers=True, mixed_precision=self.policy, shallow=shallow)
+            canonicalize(cap.gm)
+        return cap, inputs
+
+    def shallow_captured(self, m: int):
+        """The three-layer graph of batch / m (`capture(shallow=True)`), or None where the model has no
+        single stack of alike layers (or `shallow` is off)."""
+        if m not in self.shallow_captures:
+            cap = self._capture(m, shallow=True)[0] if self.shallow else None
+            self.shallow_captures[m] = cap if cap is not None and cap.shallow else None
+            if self.shallow_captures[m] is None:
+                self.depth_notes[m] = "no single stack of alike layers" if self.shallow else "off"
+        return self.shallow_captures[m]
 
     def sub_mesh(self, dp: int, tp: int) -> Mesh:
         axes = [(n, s) for n, s in (("dp", dp), ("tp", tp)) if s > 1] or [("dp", 1)]
         return Mesh(tuple(s for _, s in axes), tuple(n for n, _ in axes), self.hardware, self.dpn)
 
-    def problem(self, m: int, dp: int, tp: int, strategy=None):
-        """The SPMD CostProblem of the micro-batch graph (batch / m) on the (dp, tp) sub-mesh, `strategy`
-        forced; built once and kept while its memory rows are solved (the last PROBLEMS_KEPT)."""
-        key = (m, *self._inner(dp, tp, strategy))
+    def problem(self, m: int, dp: int, tp: int, strategy=None, full: bool = False):
+        """The SPMD CostProblem the search prices for the micro-batch graph (batch / m) on the (dp, tp)
+        sub-mesh, `strategy` forced: the shallow graph's (`depth.weighted`) where it stands for the full
+        graph, else the full graph's; `full=True`: always the full graph's. Built once and kept while its
+        memory rows are solved (the last PROBLEMS_KEPT)."""
+        key = (m, *self._inner(dp, tp, strategy), full)
         if key not in self.problems:
-            cap, _ = self.captured(m)
-            mesh = self.sub_mesh(dp, tp)
-            allowed = None
-            if strategy:
-                wanted = recipes.normalize({a: r for a, r in strategy.items() if a in mesh.axis_names}, mesh)
-                allowed = recipes.restriction(cap.gm, wanted, tuple(mesh.shape))
-            self.problems[key] = self._builder(cap, mesh).build(allowed)
+            cap = None if full or self.depth_notes.get(m) else self.shallow_captured(m)
+            prob = self._build(cap, dp, tp, strategy) if cap is not None else None
+            if prob is not None:
+                stack, count = depth.stack_of(cap)
+                if m not in self.depth_notes:   # once per micro-batch size: line it up with the full graph
+                    self.depth_notes[m] = depth.matches(prob, self.full_units(), stack, count)
+                prob = None if self.depth_notes[m] else depth.weighted(prob, stack, count)
+            if prob is None:
+                prob = self._build(self.captured(m)[0], dp, tp, strategy)
+            self.problems[key] = prob
             while len(self.problems) > PROBLEMS_KEPT:
                 self.problems.pop(next(iter(self.problems)))
         return self.problems[key]
+
+    def _build(self, cap, dp: int, tp: int, strategy):
+        mesh = self.sub_mesh(dp, tp)
+        allowed = None
+        if strategy:
+            wanted = recipes.normalize({a: r for a, r in strategy.items() if a in mesh.axis_names}, mesh)
+            allowed = recipes.restriction(cap.gm, wanted, tuple(mesh.shape))
+        return self._builder(cap, mesh).build(allowed)
+
+    def full_units(self) -> dict[str, tuple]:
+        """`depth.unit_signatures` of the full graph (the whole batch's: unit structure does not depend on it)."""
+        self.one_device_seconds(1)
+        return self.floors["units"]
 
     def _builder(self, cap, mesh: Mesh) -> ProblemBuilder:
         """A ProblemBuilder whose layout pricing (`reshard.ReshardCost`, a pure function of the mesh and
@@ -203,14 +248,13 @@ class Profiler:
         act_weight = key[-2]
         if key not in self.profiles:
             prob = self.problem(m, dp, tp, strategy)
-            cap, _ = self.captured(m)
             view = self.weighted(m, dp, tp, strategy, act_weight, step_weight)
             view.cg.memory_budget = budget
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     sol = spmd.solve_problem(view, time_limit=self.time_limit, mip_gap=SEARCH_GAP)
-                self.profiles[key] = tuple(layer_costs(prob, sol.choice, cap))
+                self.profiles[key] = tuple(unit_costs(prob, sol.choice))
                 self.solutions[key] = sol
             except InfeasiblePlanError as e:
                 self.profiles[key] = e
@@ -241,20 +285,50 @@ class Profiler:
                 self.expanded = (prob, recompute_mod.expand(prob))
             ex = self.expanded[1]
             with_rc, rc = recompute_mod.with_layers(ex, prob, sol, recompute_mod.recomputable(prob.gm))
-            cap, _ = self.captured(m)
-            self.recomputes[key] = (tuple(layer_costs(prob, sol.choice, cap, recompute=rc.paths, expanded=ex)),
-                                    with_rc, rc)
+            self.recomputes[key] = (tuple(unit_costs(prob, sol.choice, rc.paths, ex)), with_rc, rc)
         return self.recomputes[key]
 
-    def weighted(self, m: int, dp: int, tp: int, strategy=None, act_weight: float = 1.0, step_weight: float = 1.0):
+    def full_solution(self, m: int, dp: int, tp: int, budget: float | None, strategy=None, act_weight: float = 1.0,
+                      step_weight: float = 1.0, recompute: bool = False):
+        """The plan of `layers(...)` (`recomputed(...)` if `recompute`) on the full graph: (its CostProblem,
+        unit profile, Solution, RecomputeDecision or None). Where the search priced the shallow graph, its
+        choice is mapped onto the full graph (`depth.full_choice`, the same prices), or the full graph is
+        solved the same way if the two do not line up."""
+        args = (m, dp, tp, budget, strategy, act_weight, step_weight)
+        layers, sol, rc = self.recomputed(*args) if recompute else (self.layers(*args), self.solution(*args), None)
+        prob = self.problem(m, dp, tp, strategy)
+        if depth.depth_of(prob) is None:
+            return prob, layers, sol, rc
+        full = self.problem(m, dp, tp, strategy, full=True)
+        view = self.weighted(m, dp, tp, strategy, act_weight, step_weight, full=True)
+        view.cg.memory_budget = budget
+        choice = depth.full_choice(prob, full, self.solution(*args).choice)
+        if choice is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                sol = spmd.solve_problem(view, time_limit=self.time_limit, mip_gap=SEARCH_GAP)
+        else:
+            t, mem = evaluate(view.cg, choice)
+            base = self.solution(*args)
+            sol = dataclasses.replace(base, choice=choice, time=t, memory=mem, lower_bound=min(base.lower_bound, t),
+                                      stats={**base.stats, "shallow": True})
+        rc = None
+        if recompute:
+            ex = recompute_mod.expand(full)
+            sol, rc = recompute_mod.with_layers(ex, full, sol, recompute_mod.recomputable(full.gm))
+            return full, tuple(layer_costs(full, sol.choice, recompute=rc.paths, expanded=ex)), sol, rc
+        return full, tuple(layer_costs(full, sol.choice)), sol, rc
+
+    def weighted(self, m: int, dp: int, tp: int, strategy=None, act_weight: float = 1.0, step_weight: float = 1.0,
+                 full: bool = False):
         """`layer_profile.step_weighted` of the (m, dp, tp) CostProblem: the view the solver minimises when
         activations count `act_weight` times and per-step seconds `step_weight` times; the CostProblem itself
         for weights 1. Kept while the CostProblem is (a view per weight: its solver cache holds the layer
         quotient and the least-memory relaxation, which depend on the weighted vectors)."""
-        prob = self.problem(m, dp, tp, strategy)
+        prob = self.problem(m, dp, tp, strategy, full)
         if act_weight == 1.0 and step_weight == 1.0:
             return prob
-        key = ((m, *self._inner(dp, tp, strategy)), act_weight, step_weight)
+        key = ((m, *self._inner(dp, tp, strategy), full), act_weight, step_weight)
         found = self.weighted_views.get(key)
         if found is None or found[0] is not prob:
             self.weighted_views = {k: v for k, v in self.weighted_views.items()
@@ -312,6 +386,7 @@ class Profiler:
             saved = sum(float(np.min(mem["activations"])) for mem in prob.memory)
             self.floors[1] = (seconds, launch, param, len(set(unit_names(prob)[1])),
                               np.array([n in rerun for n in prob.nodes], dtype=bool), saved)
+            self.floors["units"] = depth.unit_signatures(prob)
         seconds, launch, param = self.floors[1][:3]
         per = np.maximum(seconds / (m * k), launch)
         once = np.maximum(seconds / k, launch)
@@ -336,6 +411,14 @@ class Profiler:
         size and sub-mesh (the units are the model's modules)."""
         self.one_device_seconds(1)
         return self.floors[1][3]
+
+
+def unit_costs(prob, choice, recompute: tuple[str, ...] = (), expanded=None) -> list[LayerCost]:
+    """`layer_costs` of a plan of `prob`, the full stack's units where `prob` is a shallow graph's
+    (`depth.unfold`)."""
+    layers = layer_costs(prob, choice, recompute=recompute, expanded=expanded)
+    found = depth.depth_of(prob)
+    return layers if found is None else depth.unfold(layers, *found)
 
 
 def _step_weights(prob, per_microbatch: float, per_step: float) -> tuple[list[float], list[float]]:

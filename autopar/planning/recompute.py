@@ -166,9 +166,12 @@ def expand(prob) -> Expanded:
     sizes = [nd.num_strategies for nd in nodes]
     ex = Expanded(CostGraph(nodes, [], prob.cg.memory_budget, prob.cg.memory_offset), sizes, {}, {}, {})
     layer_of_node = {}
+    mult = prob.derived.get("multiplicity")   # a shallow graph's middle layer (pipeline/depth.py) counts L - 2 times
+    mult = np.ones(len(nodes)) if mult is None else mult
     for path, members in layers.items():
         ex.doubled[path], ex.copied[path] = [], set()
         for i, node, a0, a1 in _doubled_nodes(prob, members, copies[path], kept0, kept1):
+            a0, a1 = a0 * mult[i], a1 * mult[i]
             base = nodes[i].memory - prob.memory[i]["activations"]
             run = prob.compute[i] if node in copies[path] else np.zeros(sizes[i])
             nodes[i] = CostNode(nodes[i].name, np.concatenate([nodes[i].time, nodes[i].time + run]),
@@ -181,7 +184,7 @@ def expand(prob) -> Expanded:
         i, extra = prob.index.get(node), outs - kept0.get(node, set())
         if i is not None and i not in layer_of_node and extra:
             nodes[i] = CostNode(nodes[i].name, nodes[i].time,
-                                nodes[i].memory + _bytes(node, prob.strategies[i], extra, axis_sizes))
+                                nodes[i].memory + mult[i] * _bytes(node, prob.strategies[i], extra, axis_sizes))
     for path in last:
         ex.last[path.rpartition(".")[0]] = [(prob.index[n], _bytes(n, prob.strategies[prob.index[n]], kept0[n],
                                                                    axis_sizes))
