@@ -109,7 +109,8 @@ def test_profiler_layers_equal_the_full_path():
     full path: a fresh capture, a Problem built node by node, solved, its units read twice."""
     case = _case("llama")
     hw = autopar.Mesh((8,), hardware="h100").hardware
-    prof = Profiler(case.model, case.example_inputs, hw, 8, mixed_precision="bf16")
+    # the full graph's path (stamped reuse); the three-layer graph's prices: tests/test_depth.py
+    prof = Profiler(case.model, case.example_inputs, hw, 8, mixed_precision="bf16", shallow=False)
     prof.problem(4, 2, 4)   # another micro-batch size first: its priced reshard matrices are shared
     cap, _ = prof.captured(2)
     full = ProblemBuilder(cap, prof.sub_mesh(2, 4), reuse_stamped=False).build()
