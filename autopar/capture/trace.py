@@ -211,7 +211,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable | No
     if stacks and stamp_out:                                              # 6. stamp out the layers
         params, tied, buffers, grad_names = _stamp(gm, model, stacks, grad_names, input_names)
     elif stacks:   # shallow: only the checks that make layer 1 stand for every middle layer
-        _check_stamp(traced, stacks, gm)
+        _check_stamp(model, stacks, gm)
     used = _params_used_in_forward(gm)
     log.info("capture: export %.2f s, joint trace %.2f s, %d nodes", exported_at - start,
              time.perf_counter() - exported_at, len(gm.graph.nodes))
@@ -226,17 +226,23 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable | No
     )
 
 
-def _check_stamp(traced: nn.Module, stacks: list, gm: torch.fx.GraphModule) -> None:
+def _check_stamp(model: nn.Module, stacks: list, gm: torch.fx.GraphModule) -> None:
     """Raise StampError where `_stamp` would (tied tensors in a stack, traced layers not alike) without
     stamping anything out."""
-    _, tied = _unique_tensors(traced.named_parameters(remove_duplicate=False))
-    _, buffer_ties = _unique_tensors(traced.named_buffers(remove_duplicate=False))
-    for name in [*_alias_map(tied), *_alias_map(buffer_ties), *tied, *buffer_ties]:
-        if any(name.startswith(s.path + ".") for s in stacks):
-            raise stamp.StampError(f"{name} is tied to another tensor")
+    _refuse_ties_in_stacks(model, stacks)
     loss = gm.graph.output_node().args[0][0]
     for stack in stacks:
         stamp.check_stack(gm, stack, loss)
+
+
+def _refuse_ties_in_stacks(model: nn.Module, stacks: list) -> tuple:
+    """The model's (params, tied, buffers); StampError if a tensor inside a stack is tied to another."""
+    params, tied = _unique_tensors(model.named_parameters(remove_duplicate=False))
+    buffers, buffer_ties = _unique_tensors(model.named_buffers(remove_duplicate=False))
+    for name in [*_alias_map(tied), *_alias_map(buffer_ties), *tied, *buffer_ties]:
+        if any(name.startswith(s.path + ".") for s in stacks):
+            raise stamp.StampError(f"{name} is tied to another tensor")
+    return params, tied, buffers
 
 
 def _grad_names(params: dict[str, torch.Tensor]) -> list[str]:
@@ -247,11 +253,7 @@ def _stamp(gm: torch.fx.GraphModule, model: nn.Module, stacks: list, traced_grad
            input_names: list[str]) -> tuple:
     """The shallow graph -> the full model's graph; returns the full model's params, ties, buffers
     and gradient names."""
-    params, tied = _unique_tensors(model.named_parameters(remove_duplicate=False))
-    buffers, buffer_ties = _unique_tensors(model.named_buffers(remove_duplicate=False))
-    for name in [*_alias_map(tied), *_alias_map(buffer_ties), *tied, *buffer_ties]:
-        if any(name.startswith(s.path + ".") for s in stacks):
-            raise stamp.StampError(f"{name} is tied to another tensor")
+    params, tied, buffers = _refuse_ties_in_stacks(model, stacks)
     outputs = gm.graph.output_node().args[0]
     loss, grads = outputs[0], dict(zip(traced_grads, outputs[1:]))
     for stack in stacks:
