@@ -12,10 +12,14 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
 
 import autopar
 from autopar._testing import models
+from autopar.capture import cache as capture_cache
+from autopar.capture import precision as precision_mod
 from autopar.capture.trace import capture
+from autopar.graph import MODULE_PATH, NAME, PHASE, ROLE, VAL
 from autopar.pipeline import depth
 from autopar.pipeline.layer_profile import layer_costs
 from autopar.pipeline.search import Profiler, search, unit_costs
@@ -120,3 +124,31 @@ def test_shallow_capture_needs_one_stack_of_alike_layers():
     full = capture(deep.model, deep.example_inputs)
     assert full.shallow == {} and full.stamped == {path: 6}
     assert len(cap.gm.graph.nodes) < len(full.gm.graph.nodes)
+
+
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_a_full_capture_after_a_shallow_one_is_stamped_out_from_it(precision):
+    """The search's final plan captures the full graph of a micro-batch size it priced shallow: the cache
+    stamps that out from the shallow trace instead of tracing again, and the graph is a fresh trace's."""
+    case = models.meta_llama3_8b(num_layers=6, batch=4, seq=64)
+    policy = precision_mod.as_policy(precision)
+    capture_cache.clear_capture_cache()
+    shallow = capture(case.model, case.example_inputs, mixed_precision=policy, shallow=True)
+    assert shallow.shallow == {"model.layers": 6} and not shallow.stamped
+    derived = capture(case.model, case.example_inputs, mixed_precision=policy)
+    assert capture_cache.capture_cache_stats() == {"hits": 0, "misses": 1, "derived": 1}
+    traced = capture(case.model, case.example_inputs, mixed_precision=policy, cache=False)
+    assert derived.gm.code == traced.gm.code
+    for a, b in zip(derived.gm.graph.nodes, traced.gm.graph.nodes, strict=True):
+        assert (a.name, a.op, a.target) == (b.name, b.op, b.target)
+        for key in (PHASE, MODULE_PATH, ROLE, NAME):
+            assert a.meta.get(key) == b.meta.get(key), (a.name, key)
+        va, vb = a.meta.get(VAL), b.meta.get(VAL)
+        if isinstance(va, torch.Tensor):
+            assert (va.shape, va.dtype, va.stride()) == (vb.shape, vb.dtype, vb.stride()), a.name
+    for field in ("param_names", "tied", "buffer_names", "input_names", "grad_param_names", "unused_params",
+                  "param_shapes", "param_dtypes", "stamped", "shallow", "mixed_precision"):
+        assert getattr(derived, field) == getattr(traced, field), field
+    assert derived.stamped == {"model.layers": 6}
+    again = capture(case.model, case.example_inputs, mixed_precision=policy)   # now a plain hit
+    assert again.gm.code == traced.gm.code and capture_cache.capture_cache_stats()["hits"] == 1

@@ -43,17 +43,18 @@ class _Entries:
 
 
 _cache: "weakref.WeakKeyDictionary[nn.Module, _Entries]" = weakref.WeakKeyDictionary()
-_stats = {"hits": 0, "misses": 0}
+_stats = {"hits": 0, "misses": 0, "derived": 0}
 
 
 def clear_capture_cache() -> None:
     """Forget every cached capture (the counters in `capture_cache_stats` too)."""
     _cache.clear()
-    _stats.update(hits=0, misses=0)
+    _stats.update(hits=0, misses=0, derived=0)
 
 
 def capture_cache_stats() -> dict[str, int]:
-    """Hits and misses since the last clear: a miss is a real trace."""
+    """Hits, misses and derived graphs since the last clear: a miss is a real trace; a derived graph was
+    built from another cached one (a full capture stamped out from the shallow capture of the same call)."""
     return dict(_stats)
 
 
@@ -64,9 +65,13 @@ def enabled(cache: bool | None) -> bool:
     return capture_cache_enabled()
 
 
-def cached(model: nn.Module, args: tuple, kwargs: dict, options: dict, trace: Callable[[], Any]) -> Any:
+def cached(model: nn.Module, args: tuple, kwargs: dict, options: dict, trace: Callable[[], Any],
+           derive: Callable[[Callable[[dict], Any]], Any] | None = None) -> Any:
     """A copy of the graph captured for this model, inputs and options: from the cache, or `trace()`d
-    and stored. Calls the cache cannot key (an input or option that is not plain data) just trace."""
+    and stored. Calls the cache cannot key (an input or option that is not plain data) just trace.
+    `derive`, on a miss: called with `stored(other_options)` (a copy of the graph cached for the same
+    model and inputs under other options, or None), it returns this call's graph built from one, or
+    None to trace (a full capture stamped out from a shallow one: `capture`)."""
     call = _call_key(args, kwargs, options)
     if call is None:
         return trace()
@@ -78,18 +83,34 @@ def cached(model: nn.Module, args: tuple, kwargs: dict, options: dict, trace: Ca
         return trace()
     if entries is None or entries.model_key != model_key:
         entries = _cache[model] = _Entries(model_key, OrderedDict())
-    hit = entries.graphs.get(key)
-    if hit is not None and all(ref() is not None for ref in hit[1]):  # alive: their ids in the key are theirs
-        entries.graphs.move_to_end(key)
+    hit = _stored(entries, args, kwargs, options)
+    if hit is not None:
         _stats["hits"] += 1
         log.debug("capture: reusing the cached graph of %s", type(model).__name__)
-        return copy_captured(hit[0])
-    captured = trace()
-    _stats["misses"] += 1
+        return hit
+    captured = derive(lambda other: _stored(entries, args, kwargs, other)) if derive is not None else None
+    if captured is None:
+        captured = trace()
+        _stats["misses"] += 1
+    else:
+        _stats["derived"] += 1
     entries.graphs[key] = (captured, refs)
     while len(entries.graphs) > MAX_PER_MODEL:
         entries.graphs.popitem(last=False)
     return copy_captured(captured)
+
+
+def _stored(entries: _Entries, args: tuple, kwargs: dict, options: dict) -> Any:
+    """A copy of the graph `entries` holds for (args, kwargs, options), or None."""
+    call = _call_key(args, kwargs, options)
+    if call is None:
+        return None
+    key, _ = call
+    hit = entries.graphs.get(key)
+    if hit is None or not all(ref() is not None for ref in hit[1]):  # alive: their ids in the key are theirs
+        return None
+    entries.graphs.move_to_end(key)
+    return copy_captured(hit[0])
 
 
 def copy_captured(captured: Any) -> Any:

@@ -157,8 +157,27 @@ def capture(
         options["shallow"] = True
     if capture_cache.enabled(cache):
         trace = lambda: _capture_layers(model, args, kwargs, **options)  # noqa: E731
-        return capture_cache.cached(model, args, kwargs, options, trace)
+        derive = None
+        if stamp_layers and not shallow:   # the layout search's final plan: its micro-batch graph was shallow
+            derive = lambda stored: _stamped_from(model, stored({**options, "shallow": True}))  # noqa: E731
+        return capture_cache.cached(model, args, kwargs, options, trace, derive)
     return _capture_layers(model, args, kwargs, **options)
+
+
+def _stamped_from(model: nn.Module, shallow: Captured | None) -> Captured | None:
+    """The full capture of a call whose shallow capture (a copy, the caller's) is `shallow`: its three
+    traced layers stamped out, as `_capture` stamps the same trace; None where there is none."""
+    if shallow is None or not shallow.shallow:
+        return None
+    stacks = stamp.find_stacks(model)
+    if [s.path for s in stacks] != list(shallow.shallow):
+        return None
+    start = time.perf_counter()
+    gm = shallow.gm
+    params, tied, buffers, grad_names = _stamp(gm, model, stacks, shallow.grad_param_names, shallow.input_names)
+    log.info("capture: stamped out the shallow graph in %.2f s, %d nodes", time.perf_counter() - start,
+             len(gm.graph.nodes))
+    return _captured(gm, params, tied, buffers, shallow.input_names, grad_names, stacks, shallow.mixed_precision)
 
 
 def _capture_layers(model: nn.Module, args: tuple, kwargs: dict, *, loss_fn: Callable | None, decompose: bool,
@@ -212,9 +231,15 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable | No
         params, tied, buffers, grad_names = _stamp(gm, model, stacks, grad_names, input_names)
     elif stacks:   # shallow: only the checks that make layer 1 stand for every middle layer
         _check_stamp(model, stacks, gm)
-    used = _params_used_in_forward(gm)
     log.info("capture: export %.2f s, joint trace %.2f s, %d nodes", exported_at - start,
              time.perf_counter() - exported_at, len(gm.graph.nodes))
+    return _captured(gm, params, tied, buffers, input_names, grad_names, stacks, mixed_precision, stamp_out)
+
+
+def _captured(gm: torch.fx.GraphModule, params: dict, tied: dict, buffers: dict, input_names: list[str],
+              grad_names: list[str], stacks: list, mixed_precision: MixedPrecision | None,
+              stamp_out: bool = True) -> Captured:
+    used = _params_used_in_forward(gm)
     return Captured(
         gm=gm, param_names=list(params), tied=tied, buffer_names=list(buffers),
         input_names=input_names, grad_param_names=grad_names,

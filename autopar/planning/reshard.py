@@ -29,6 +29,7 @@ Four refinements of plain alpha-beta, the first two mirrored by the runtime:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -124,17 +125,35 @@ def steps(src: Spec, dst: Spec, nbytes: float, axis_sizes: tuple[int, ...]) -> l
 def _templates(src: Spec, dst: Spec, axis_sizes: tuple[int, ...]) -> list[tuple[str, int, float, int]]:
     """`steps` for any byte count: (kind, axis, fraction of the bytes held, divisor) per step, so that
     step bytes = nbytes * fraction / divisor (the divisor only for all_to_all), as `steps` computes."""
+    return _sized(_shape_free(src, dst), axis_sizes)
+
+
+def _shape_free(src: Spec, dst: Spec) -> list[tuple[str, int, tuple[int, ...], bool]]:
+    """`_templates` for any axis sizes above 1: (kind, axis, the other axes the held bytes are sharded
+    on, all_to_all?) per step. Which collectives run, and on which axes, depends on the placements
+    alone; the sizes only scale the bytes (`_sized`)."""
     out = []
     current = list(src)
     for axis, frm, to in transitions(src, dst):
-        n = axis_sizes[axis]
-        frac = local_fraction(tuple(p for a, p in enumerate(current) if a != axis),
-                              tuple(m for a, m in enumerate(axis_sizes) if a != axis))
-        step = axis_step(frm, to, axis, 1.0, n)
+        step = axis_step(frm, to, axis, 1.0, 2)
         if step is not None:
-            out.append((step.kind, axis, frac, n if step.kind == "all_to_all" else 1))
+            sharded = tuple(a for a, p in enumerate(current) if a != axis and is_shard(p))
+            out.append((step.kind, axis, sharded, step.kind == "all_to_all"))
         current[axis] = to
     return out
+
+
+def _sized(free: list, axis_sizes: tuple[int, ...]) -> list[tuple[str, int, float, int]]:
+    """`_shape_free`'s steps on a mesh of `axis_sizes` (a step on an axis of one device moves nothing)."""
+    return [(kind, axis, 1.0 / math.prod(axis_sizes[a] for a in sharded), axis_sizes[axis] if a2a else 1)
+            for kind, axis, sharded, a2a in free if axis_sizes[axis] != 1]
+
+
+# spec -> number, and (src number, dst number) -> `_shape_free`, for every mesh of the process: the
+# layout search prices the same placements on many sub-meshes, and working out their collectives
+# (placement comparisons in Python) cost more than the prices themselves
+_SPEC_NUMBERS: dict[Spec, int] = {}
+_SHAPE_FREE: dict[tuple[int, int], list] = {}
 
 
 class ReshardCost:
@@ -148,7 +167,6 @@ class ReshardCost:
         self._times: dict[tuple, float] = {}
         self._pairs: dict[tuple[int, int], list] = {}          # (src, dst) -> `_templates`
         self._by_id: dict[int, tuple[Spec, int]] = {}          # id(spec) -> (spec kept alive, its number)
-        self._by_value: dict[Spec, int] = {}
         self._terms = lru_cache(maxsize=None)(self._step_terms)
         self._affine: dict[tuple, np.ndarray] = {}   # `matrix`'s coefficients
         self._pair_coefficients: dict[tuple[int, int, bool], tuple] = {}   # `_coefficients` per spec pair
@@ -156,7 +174,7 @@ class ReshardCost:
     def _number(self, spec: Spec) -> int:
         found = self._by_id.get(id(spec))
         if found is None:   # the spec is held in _by_id, so its id is never reused for another object
-            found = self._by_id[id(spec)] = (spec, self._by_value.setdefault(spec, len(self._by_value)))
+            found = self._by_id[id(spec)] = (spec, _SPEC_NUMBERS.setdefault(spec, len(_SPEC_NUMBERS)))
         return found[1]
 
     def step_time(self, step: Step, bucketed: bool = False, total_bytes: float | None = None,
@@ -205,9 +223,7 @@ class ReshardCost:
         key = (*pair, float(nbytes), bucketed, gather_share)
         t = self._times.get(key)
         if t is None:
-            templates = self._pairs.get(pair)
-            if templates is None:
-                templates = self._pairs[pair] = _templates(src, dst, self.axis_sizes)
+            templates = self._pair(src, dst, *pair)
             t = self._times[key] = self._compute(templates, float(nbytes), bucketed, gather_share) or 0.0
         return t
 
@@ -249,7 +265,10 @@ class ReshardCost:
     def _pair(self, src: Spec, dst: Spec, ns: int, nd: int) -> list:
         templates = self._pairs.get((ns, nd))
         if templates is None:
-            templates = self._pairs[ns, nd] = _templates(src, dst, self.axis_sizes)
+            free = _SHAPE_FREE.get((ns, nd))
+            if free is None:
+                free = _SHAPE_FREE[ns, nd] = _shape_free(src, dst)
+            templates = self._pairs[ns, nd] = _sized(free, self.axis_sizes)
         return templates
 
     def _coefficients(self, templates: list, bucketed: bool) -> tuple[float, float, float]:
