@@ -83,12 +83,17 @@ def cached(model: nn.Module, args: tuple, kwargs: dict, options: dict, trace: Ca
         return trace()
     if entries is None or entries.model_key != model_key:
         entries = _cache[model] = _Entries(model_key, OrderedDict())
-    hit = _stored(entries, args, kwargs, options)
+    hit = _stored(entries, key)
     if hit is not None:
         _stats["hits"] += 1
         log.debug("capture: reusing the cached graph of %s", type(model).__name__)
         return hit
-    captured = derive(lambda other: _stored(entries, args, kwargs, other)) if derive is not None else None
+    captured = None
+    if derive is not None:
+        def stored(other: dict) -> Any:   # the graph of the same model and inputs under other options
+            other_call = _call_key(args, kwargs, other)
+            return _stored(entries, other_call[0]) if other_call is not None else None
+        captured = derive(stored)
     if captured is None:
         captured = trace()
         _stats["misses"] += 1
@@ -100,12 +105,8 @@ def cached(model: nn.Module, args: tuple, kwargs: dict, options: dict, trace: Ca
     return copy_captured(captured)
 
 
-def _stored(entries: _Entries, args: tuple, kwargs: dict, options: dict) -> Any:
-    """A copy of the graph `entries` holds for (args, kwargs, options), or None."""
-    call = _call_key(args, kwargs, options)
-    if call is None:
-        return None
-    key, _ = call
+def _stored(entries: _Entries, key: tuple) -> Any:
+    """A copy of the graph `entries` holds under the call key `key` (`_call_key`), or None."""
     hit = entries.graphs.get(key)
     if hit is None or not all(ref() is not None for ref in hit[1]):  # alive: their ids in the key are theirs
         return None

@@ -122,15 +122,9 @@ def steps(src: Spec, dst: Spec, nbytes: float, axis_sizes: tuple[int, ...]) -> l
     return out
 
 
-def _templates(src: Spec, dst: Spec, axis_sizes: tuple[int, ...]) -> list[tuple[str, int, float, int]]:
-    """`steps` for any byte count: (kind, axis, fraction of the bytes held, divisor) per step, so that
-    step bytes = nbytes * fraction / divisor (the divisor only for all_to_all), as `steps` computes."""
-    return _sized(_shape_free(src, dst), axis_sizes)
-
-
 def _shape_free(src: Spec, dst: Spec) -> list[tuple[str, int, tuple[int, ...], bool]]:
-    """`_templates` for any axis sizes above 1: (kind, axis, the other axes the held bytes are sharded
-    on, all_to_all?) per step. Which collectives run, and on which axes, depends on the placements
+    """`steps` for any byte count and axis sizes above 1: (kind, axis, the other axes the held bytes are
+    sharded on, all_to_all?) per step. Which collectives run, and on which axes, depends on the placements
     alone; the sizes only scale the bytes (`_sized`)."""
     out = []
     current = list(src)
@@ -144,7 +138,9 @@ def _shape_free(src: Spec, dst: Spec) -> list[tuple[str, int, tuple[int, ...], b
 
 
 def _sized(free: list, axis_sizes: tuple[int, ...]) -> list[tuple[str, int, float, int]]:
-    """`_shape_free`'s steps on a mesh of `axis_sizes` (a step on an axis of one device moves nothing)."""
+    """`_shape_free`'s steps on a mesh of `axis_sizes` (a step on an axis of one device moves nothing):
+    (kind, axis, fraction of the bytes held, divisor), so that step bytes = nbytes * fraction / divisor
+    (the divisor only for all_to_all), as `steps` computes."""
     return [(kind, axis, 1.0 / math.prod(axis_sizes[a] for a in sharded), axis_sizes[axis] if a2a else 1)
             for kind, axis, sharded, a2a in free if axis_sizes[axis] != 1]
 
@@ -165,7 +161,7 @@ class ReshardCost:
         self.mesh = mesh
         self.axis_sizes = tuple(mesh.shape)
         self._times: dict[tuple, float] = {}
-        self._pairs: dict[tuple[int, int], list] = {}          # (src, dst) -> `_templates`
+        self._pairs: dict[tuple[int, int], list] = {}          # (src, dst) -> `_sized` steps
         self._by_id: dict[int, tuple[Spec, int]] = {}          # id(spec) -> (spec kept alive, its number)
         self._terms = lru_cache(maxsize=None)(self._step_terms)
         self._affine: dict[tuple, np.ndarray] = {}   # `matrix`'s coefficients
