@@ -97,6 +97,13 @@ def test_top_level_is_small_and_every_module_sits_in_its_stage():
     assert all((FOLDERS["autopar"] / f / "__init__.py").exists() for f in folders), folders
 
 
+def test_no_symlinks_in_the_package():
+    """A link inside a package folder (a developer's symlink tree written into the repo by mistake) makes
+    the wheel recurse into itself: autopar/passes/passes/... ."""
+    links = [str(p.relative_to(ROOT)) for folder in FOLDERS.values() for p in folder.rglob("*") if p.is_symlink()]
+    assert not links, f"symlinks in the package: {links}"
+
+
 def test_the_graph_walk_sees_imports():
     """The checks above are only as good as the walk: it must find known edges and a made-up cycle."""
     g = _graph()
