@@ -100,6 +100,9 @@ def test_the_search_returns_the_full_graphs_plan_of_what_it_priced():
         if shallow:   # from the very solution the search priced, mapped
             mapped = depth.full_choice(prof.problem(*args[:3]), full, prof.solution(*args).choice)
             assert np.array_equal(sol.choice, mapped)
+            # the plan's solver line counts the full graph and says what the search priced
+            assert (sol.stats["nodes"], sol.stats["shallow_nodes"]) == \
+                (len(full.cg.nodes), len(prof.problem(*args[:3]).cg.nodes))
     assert found[True] == pytest.approx(found[False], rel=5e-3)
 
 

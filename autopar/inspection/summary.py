@@ -354,7 +354,9 @@ def totals_lines(plan) -> list[str]:
     budget = "no budget" if plan.memory_budget is None else \
         f"budget {format_bytes(plan.memory_budget)} ({100 * plan.memory_per_device / plan.memory_budget:.0f}% used)"
     s = plan.solver
-    sizes = ", ".join(f"{s[k]} {k}" for k in ("nodes", "edges") if k in s)
+    sizes = ", ".join(f"{s[k]:,} {k}" for k in ("nodes", "edges") if k in s)
+    if s.get("shallow_nodes"):   # the search priced a copy traced a few layers deep; its choice maps onto every layer
+        sizes += f"; searched on the {s['shallow_nodes']:,} nodes of {s.get('shallow_layers', '?')} traced layers"
     lines = [
         f"step time {format_seconds(plan.predicted_step_time)} = compute {format_seconds(plan.predicted_compute_time)}"
         f" + communication {format_seconds(plan.predicted_comm_time)} + bubble {format_seconds(bubble)}"

@@ -310,8 +310,10 @@ class Profiler:
         else:
             t, mem = evaluate(view.cg, choice)
             base = self.solution(*args)
+            stats = {**base.stats, "nodes": len(view.cg.nodes), "edges": len(view.cg.edges),
+                     "shallow_nodes": base.stats.get("nodes"), "shallow_layers": depth.TRACED}
             sol = dataclasses.replace(base, choice=choice, time=t, memory=mem, lower_bound=min(base.lower_bound, t),
-                                      stats={**base.stats, "shallow": True})
+                                      stats=stats)
         rc = None
         if recompute:
             ex = recompute_mod.expand(full)
