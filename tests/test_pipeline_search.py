@@ -294,6 +294,10 @@ class _TradeOffProfiler:
         s, a, t = self.plans[min(fits, key=lambda k: self.plans[k][2])]
         return [LayerCost(f"h.{i}", t, 2 * t, s * 1e9, a * 1e9, 0.0) for i in range(self.units)]
 
+    def activation_floor(self, m, k):
+        """No floor (`candidates._needs_recompute` never holds): its units cannot recompute anyway."""
+        return 0.0
+
     def recomputed(self, m, dp, tp, row, strategy=None, act_weight=1.0, step_weight=1.0):
         """Its units are no model layers: none can recompute (`candidates._recomputed` then stops). The
         plan is one `layers` solved already: no row is solved again."""
@@ -313,6 +317,47 @@ def test_price_weighs_activations_by_micro_batches_in_flight():
     assert c.feasible and c.inner_weight == 1.5 and max(c.split.stage_memory) <= 20e9, c
     assert c.step_time < price(_TradeOffProfiler({"lean": (1.0, 1.0, 1.5)}, 8), 2, 1, 1, 4, ("1f1b",), 20e9)[0].step_time
     assert [w for row, w in prof.rows if row is not None] == [1.5]
+
+
+class _RecomputingProfiler(_TradeOffProfiler):
+    """The plans of `_TradeOffProfiler` on units that recompute (activations to a tenth, 1.3x the
+    seconds), and an activation floor no plan without recompute fits under (`_needs_recompute`)."""
+
+    def activation_floor(self, m, k):
+        return float("inf")
+
+    def recomputed(self, m, dp, tp, row, strategy=None, act_weight=1.0, step_weight=1.0):
+        import dataclasses
+
+        from autopar.planning.recompute import RecomputeDecision
+        rows, found = list(self.rows), self.layers(m, dp, tp, row, strategy, act_weight)
+        self.rows = rows
+        paths = tuple(x.name for x in found[:-1])
+        return ([dataclasses.replace(x, forward=x.forward, backward=x.backward + 0.3 * (x.forward + x.backward),
+                                     activation_bytes=x.activation_bytes / 10) if x.name in paths else x
+                 for x in found], None, RecomputeDecision(paths))
+
+
+def test_price_solves_no_memory_row_where_only_recompute_fits_and_a_budget_free_plan_does():
+    """pp 2, 1F1B, m 4, 9.5 GB per device: no plan splits without recompute (the leanest needs 10 GB on a
+    stage), as `_needs_recompute` proves, so every row's plan would be priced recomputed, loosest first.
+    The budget-free plan ("fast") splits so (5 units on the first stage: 5 x (1 + 2 x 0.4) = 9 GB), so it
+    is the candidate and no memory row is solved for it (on Llama-3.1-405B x 2,048 those MIPs were two
+    thirds of the search): the same candidate as solving the rows first, which then recomputes it anyway."""
+    from unittest import mock
+
+    from autopar.pipeline import candidates
+    plans = {"fast": (1.0, 4.0, 1.0), "mid": (1.0, 2.5, 1.2), "lean": (1.0, 1.0, 1.5)}
+    prof = _RecomputingProfiler(plans, 8)
+    [c] = candidates.price(prof, 2, 1, 1, 4, ("1f1b",), 9.5e9)
+    assert c.feasible and c.inner_budget is None and c.recompute == tuple(f"h.{i}" for i in range(7)), c
+    assert all(row is None for row, _ in prof.rows), prof.rows
+    every = _RecomputingProfiler(plans, 8)
+    with mock.patch.object(candidates, "_needs_recompute", lambda *a: False):   # the rows first, as before
+        [d] = candidates.price(every, 2, 1, 1, 4, ("1f1b",), 9.5e9)
+    assert any(row is not None for row, _ in every.rows)
+    assert (d.step_time, d.memory_per_device, d.recompute, d.inner_budget) == \
+        (c.step_time, c.memory_per_device, c.recompute, c.inner_budget)
 
 
 def test_price_retries_a_weighted_row_above_its_floor():

@@ -16,7 +16,7 @@ import autopar
 from autopar._testing import models
 from autopar.costmodel.memory import parse_bytes
 from autopar.pipeline.candidates import price
-from autopar.pipeline.search import Profiler, search
+from autopar.pipeline.search import SEARCH_GAP, Profiler, search
 
 REL = 1e-9
 
@@ -101,3 +101,7 @@ def test_a_pipeline_that_fits_only_with_recompute_builds_what_the_search_priced(
     assert plan.recompute == priced.recompute and len(plan.stages) == 2
     assert plan.predicted_step_time == pytest.approx(priced.step_time, rel=REL)
     assert plan.memory_per_device == pytest.approx(priced.memory_per_device, rel=REL) and plan.memory_per_device <= 40e6
+    # the gap it reports is its stage solve's (the search's weighted objective, within SEARCH_GAP), not the
+    # recompute seconds measured against that objective's bound (a 405B plan read "optimal, gap 61%")
+    solved = prof.solution(4, 4, 2, priced.inner_budget, None, priced.inner_weight, priced.inner_step_weight)
+    assert plan.gap == pytest.approx(solved.gap, abs=1e-9) and plan.gap <= SEARCH_GAP

@@ -29,6 +29,8 @@ If no row's plan splits, each of them is priced with full recompute (`_recompute
 the last of each stack re-runs its forward in backward, strategies unchanged) before the candidate is
 called infeasible; the first that splits within the budget is the candidate (auto only, not a forced
 recipe: the recipes with activation checkpointing are priced as such by benchmarks/plan_quality.py).
+Where no plan can split without recompute (`_needs_recompute`), the budget-free plans are priced so
+before any memory row is solved: the first that splits is the candidate the rows would have led to.
 Branch and bound (`branch_and_bound`) keeps the search exact while skipping SPMD solves: a candidate
 is priced only if a lower bound of its step time is within the k-th fastest found so far. The bounds
 hold for every plan of the cost model: no op or parameter on k devices costs less than 1/k of its
@@ -244,8 +246,17 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
             # before any memory row: the budget-free plan of least S + P, which holds per-step state more
             # frugally (ZeRO), where the step's weighting's own plan does not split
             rows.insert(1, (None, 1.0, 1.0))
+        # no plan splits without recompute (`_needs_recompute`): the rows' plans can only be priced recomputed,
+        # loosest first, so where a budget-free plan splits so, no memory row is solved (their MIPs were 942 of
+        # 1,420 CPU s on Llama-3.1-405B x 2,048, for the plan the budget-free rows give anyway)
+        full_rc = recompute and pp > 1 and strategy is None and _needs_recompute(prof, pp, dp * tp, m, schedule, budget)
         while k < len(rows):
             (row, w, rw), k = rows[k], k + 1
+            if full_rc and row is not None and solved and solved[-1][0] is None:
+                full_rc = False   # once, after the budget-free rows
+                best, least = _recomputed(prof, pp, dp, tp, m, schedule, v, solved, split_under, budget, least)
+                if best is not None:
+                    break
             if held is not None and row is not None and held[0] + w * held[1] <= row:
                 continue  # the looser plan already fits this row: a re-solve would return it again
             try:

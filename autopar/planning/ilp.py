@@ -3,7 +3,7 @@
 One function per constraint family, each restating its formula; every constraint is named, so an
 infeasible model says which family failed. `build_model` assembles them, `run_model` solves.
 Its LP relaxation, which HiGHS solves first and which answers most solves (`integral_relaxation`,
-`relaxation_bound`), is built from arrays instead (`solve_lp`: the same rows, scipy's HiGHS).
+`relaxation_bound`), is built from arrays instead (`solve_lp`: the same rows, HiGHS through highspy).
 """
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+import highspy
 import numpy as np
 from ortools.linear_solver import pywraplp
-from scipy.optimize import linprog
-from scipy.sparse import coo_array
+from scipy.sparse import csc_array
 
 from autopar.errors import SolverError
 from autopar.planning.dp_oracle import lagrangian, problem_order, solve_unconstrained
@@ -204,7 +204,7 @@ def solve_lp(p: SolverProblem, cost_scale: float = 1.0, tight: bool = False, bud
              presolve: bool = True) -> tuple[float, dict[int, dict[int, float]]] | None:
     """The LP relaxation of `build_model`'s model (every x and e in [0, 1]; p's memory row unless
     `budget=False`, in bytes over the largest coefficient), built from arrays and solved by HiGHS
-    through scipy: (objective without p.time_offset, {i: {s: x[i,s]}}), or None when HiGHS proves
+    (`_highs_lp`): (objective without p.time_offset, {i: {s: x[i,s]}}), or None when HiGHS proves
     no optimum. pywraplp builds the same model one coefficient at a time: 1.3 CPU s a model on
     Llama-3.1-405B's 2-D sub-meshes (~20% of its search), this a few hundredths. `cost_scale`
     multiplies every cost (the objective is returned unscaled); `tight`: feasibility tolerances 1e-9;
@@ -242,27 +242,54 @@ def solve_lp(p: SolverProblem, cost_scale: float = 1.0, tight: bool = False, bud
             upper[0][xs[node][1] + unused] = 0.0   # x[node,s] = 0 where every pair with s is forbidden
     vals = [np.ones(len(cols[k])) if k < ones_rows or (k - ones_rows) % 2 == 0 else -np.ones(len(cols[k]))
             for k in range(len(cols))]
-    a_eq = coo_array((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(nrows, ncols))
-    b_eq = np.zeros(nrows)
-    b_eq[:ones_rows] = 1.0
-    a_ub = b_ub = None
-    if budget and p.budget is not None:
+    rows, cols, vals = np.concatenate(rows), np.concatenate(cols), np.concatenate(vals)
+    row_lower = np.zeros(nrows)
+    row_lower[:ones_rows] = 1.0
+    row_upper = row_lower.copy()
+    if budget and p.budget is not None:   # one more row: the memory budget
         unit = max([float(np.abs(mem).max()) for mem in p.memory.values()] + [1.0])
-        row = np.zeros(ncols)
-        for i, (allowed, first) in xs.items():
-            row[first:first + len(allowed)] = p.memory[i][allowed] / unit
-        a_ub, b_ub = row[None, :], np.array([(p.budget - p.memory_offset) / unit])
-    options = {"presolve": presolve}
+        mem_cols = np.concatenate([first + np.arange(len(allowed)) for allowed, first in xs.values()])
+        mem_vals = np.concatenate([p.memory[i][allowed] / unit for i, (allowed, _) in xs.items()])
+        rows, cols = np.concatenate([rows, np.full(len(mem_cols), nrows)]), np.concatenate([cols, mem_cols])
+        vals = np.concatenate([vals, mem_vals])
+        row_lower = np.append(row_lower, -np.inf)
+        row_upper = np.append(row_upper, (p.budget - p.memory_offset) / unit)
+        nrows += 1
+    options = {"presolve": "on" if presolve else "off"}
     if tight:
         options.update(primal_feasibility_tolerance=1e-9, dual_feasibility_tolerance=1e-9)
     c = np.concatenate(costs) * cost_scale
-    res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq.tocsr(), b_eq=b_eq,
-                  bounds=np.column_stack([np.zeros(ncols), np.concatenate(upper)]), method="highs", options=options)
-    if res.status != 0:
+    matrix = csc_array((vals, (rows, cols)), shape=(nrows, ncols))
+    solved = _highs_lp(c, matrix, row_lower, row_upper, np.concatenate(upper), options)
+    if solved is None:
         return None
-    x = res.x
+    fun, x = solved
     values = {i: {int(s): float(x[first + k]) for k, s in enumerate(allowed)} for i, (allowed, first) in xs.items()}
-    return float(res.fun) / cost_scale, values
+    return fun / cost_scale, values
+
+
+def _highs_lp(c: np.ndarray, matrix: csc_array, row_lower: np.ndarray, row_upper: np.ndarray,
+              col_upper: np.ndarray, options: dict) -> tuple[float, np.ndarray] | None:
+    """min c.x subject to row_lower <= matrix x <= row_upper, 0 <= x <= col_upper, by HiGHS's simplex
+    (highspy): (objective, x), or None without a proven optimum. scipy's linprog runs the same HiGHS
+    but walks every column in Python afterwards (its bound multipliers): 0.25 CPU s of a 0.75 s LP
+    on Llama-3-70B's 2-D quotients (~150k columns). The bare binding class: `highspy.Highs()` prints
+    HiGHS's banner to stdout the first time one is made, into the caller's output."""
+    highs = highspy._Highs()
+    for name, value in {"output_flag": False, "threads": 1, **options}.items():
+        highs.setOptionValue(name, value)
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = len(c), matrix.shape[0]
+    lp.col_cost_, lp.col_lower_, lp.col_upper_ = c, np.zeros(len(c)), col_upper
+    lp.row_lower_, lp.row_upper_ = row_lower, row_upper
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = len(c), matrix.shape[0]
+    lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = matrix.indptr, matrix.indices, matrix.data
+    if highs.passModel(lp) == highspy.HighsStatus.kError or highs.run() == highspy.HighsStatus.kError:
+        return None
+    if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return None
+    return float(highs.getInfo().objective_function_value), np.asarray(highs.getSolution().col_value)
 
 
 def _support_plan(p: SolverProblem, values: dict[int, dict[int, float]], bound: float, gap: float
