@@ -247,8 +247,8 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
             # frugally (ZeRO), where the step's weighting's own plan does not split
             rows.insert(1, (None, 1.0, 1.0))
         # no plan splits without recompute (`_needs_recompute`): the rows' plans can only be priced recomputed,
-        # loosest first, so where a budget-free plan splits so, no memory row is solved (their MIPs were 942 of
-        # 1,420 CPU s on Llama-3.1-405B x 2,048, for the plan the budget-free rows give anyway)
+        # loosest first, so where a budget-free plan splits so, no memory row is solved (Llama-3.1-405B x 2,048:
+        # 7 of its 16 row MIPs, ~59 CPU s each, were for the plan the budget-free rows give anyway)
         full_rc = recompute and pp > 1 and strategy is None and _needs_recompute(prof, pp, dp * tp, m, schedule, budget)
         while k < len(rows):
             (row, w, rw), k = rows[k], k + 1
