@@ -330,10 +330,9 @@ class _RecomputingProfiler(_TradeOffProfiler):
         import dataclasses
 
         from autopar.planning.recompute import RecomputeDecision
-        rows, found = list(self.rows), self.layers(m, dp, tp, row, strategy, act_weight)
-        self.rows = rows
+        found = super().recomputed(m, dp, tp, row, strategy, act_weight, step_weight)[0]
         paths = tuple(x.name for x in found[:-1])
-        return ([dataclasses.replace(x, forward=x.forward, backward=x.backward + 0.3 * (x.forward + x.backward),
+        return ([dataclasses.replace(x, backward=x.backward + 0.3 * (x.forward + x.backward),
                                      activation_bytes=x.activation_bytes / 10) if x.name in paths else x
                  for x in found], None, RecomputeDecision(paths))
 

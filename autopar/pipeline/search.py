@@ -285,7 +285,7 @@ class Profiler:
                 self.expanded = (prob, recompute_mod.expand(prob))
             ex = self.expanded[1]
             with_rc, rc = recompute_mod.with_layers(ex, prob, sol, recompute_mod.recomputable(prob.gm))
-            self.recomputes[key] = (tuple(unit_costs(prob, sol.choice, rc.paths, ex)), _solved_gap(with_rc, sol), rc)
+            self.recomputes[key] = (tuple(unit_costs(prob, sol.choice, rc.paths, ex)), with_rc, rc)
         return self.recomputes[key]
 
     def full_solution(self, m: int, dp: int, tp: int, budget: float | None, strategy=None, act_weight: float = 1.0,
@@ -317,8 +317,7 @@ class Profiler:
         rc = None
         if recompute:
             ex = recompute_mod.expand(full)
-            with_rc, rc = recompute_mod.with_layers(ex, full, sol, recompute_mod.recomputable(full.gm))
-            sol = _solved_gap(with_rc, sol)
+            sol, rc = recompute_mod.with_layers(ex, full, sol, recompute_mod.recomputable(full.gm))
             return full, tuple(layer_costs(full, sol.choice, recompute=rc.paths, expanded=ex)), sol, rc
         return full, tuple(layer_costs(full, sol.choice)), sol, rc
 
@@ -422,13 +421,6 @@ def unit_costs(prob, choice, recompute: tuple[str, ...] = (), expanded=None) -> 
     layers = layer_costs(prob, choice, recompute=recompute, expanded=expanded)
     found = depth.depth_of(prob)
     return layers if found is None else depth.unfold(layers, *found)
-
-
-def _solved_gap(with_rc, solved):
-    """`with_rc` (`recompute.with_layers` of `solved`) with the gap of the solve that chose its strategies:
-    `solved` minimised the pipeline's weighted objective (`step_weighted`) without recompute, so its bound
-    is not one of `with_rc`'s seconds (taken as is, a plan showed "optimal, gap 61%")."""
-    return dataclasses.replace(with_rc, lower_bound=with_rc.time * (1.0 - solved.gap))
 
 
 def _step_weights(prob, per_microbatch: float, per_step: float) -> tuple[list[float], list[float]]:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch.fx as fx
@@ -449,10 +449,14 @@ def _lowest(on: set[str], paths: list[str], deltas: list[tuple]) -> set[str]:
 def with_layers(ex: Expanded, prob, sol: Solution, paths) -> tuple[Solution, RecomputeDecision]:
     """`sol`, a plan of `prob` without recompute (strategies only), with exactly the layers `paths`
     recomputed and nothing re-solved: (its Solution with the re-run seconds, the RecomputeDecision), as
-    `solve_recompute` returns them. `ex`: `expand(prob)`; paths outside its layers are left out."""
+    `solve_recompute` returns them. `ex`: `expand(prob)`; paths outside its layers are left out.
+    Its gap is `sol`'s, the gap of the solve that chose the strategies: `sol` may minimise another objective
+    (the layout search's step weighting), whose bound is no bound of these seconds (taken as one, a pipelined
+    405B plan read "optimal, gap 61%")."""
     choice = np.zeros(len(ex.cg.nodes), dtype=np.int64)
     choice[:len(ex.sizes)] = np.asarray(sol.choice)
-    return _decode(ex, prob, sol, _layer_choice(ex, choice, set(paths) & set(ex.hubs)))
+    out, decision = _decode(ex, prob, sol, _layer_choice(ex, choice, set(paths) & set(ex.hubs)))
+    return replace(out, lower_bound=out.time * (1.0 - sol.gap)), decision
 
 
 def _layer_sort_key(path: str) -> tuple[str, int]:
