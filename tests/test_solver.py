@@ -307,7 +307,7 @@ def test_elimination_order_is_shared_and_refuses_large_tables():
 def test_highs_takes_an_integral_lp_optimum_and_branches_otherwise():
     """HiGHS's model is first solved as an LP: an integral optimum is the ILP's (no branching); a
     fractional one (a memory row cutting the LP polytope) goes to the MIP. Both equal brute force."""
-    from autopar.planning.ilp import build_model, integral_relaxation, run_model
+    from autopar.planning.ilp import highs_mip, integral_relaxation
     integral = fractional = 0
     for quantile in (None, 0.2, 0.5):
         for seed in range(8):
@@ -317,7 +317,7 @@ def test_highs_takes_an_integral_lp_optimum_and_branches_otherwise():
                 continue
             p = from_costgraph(cg)
             relaxed = integral_relaxation(p, 1e-9)
-            choice, status, bound = run_model(build_model(p, "highs"), p, "highs", math.inf, None, True, 1e-9)
+            choice, status, bound = highs_mip(p, math.inf, None, 1e-9)
             assert status == "optimal" and p.evaluate(choice)[0] == pytest.approx(ref.time, rel=1e-6, abs=1e-9)
             assert bound <= ref.time + 1e-9
             if relaxed is None:
@@ -334,35 +334,67 @@ def test_a_fractional_lp_without_a_memory_row_takes_its_support_plan_within_the_
     pays one edge (31 s with the nodes' 10 s each), the LP pays none (30 s: each node half on each
     strategy). Within a 5% gap the support's plan (found by the DP) is taken with the LP's value as its
     bound; within 0.1% it is not, and the MIP proves 31 within that gap (its reported bound)."""
-    from autopar.planning.ilp import build_model, run_model
     agree = np.eye(2)
     cg = CostGraph([CostNode(f"n{i}", np.array([10.0, 10.0]), np.zeros(2)) for i in range(3)],
                    [CostEdge(0, 1, agree), CostEdge(1, 2, agree), CostEdge(0, 2, agree)])
     p = from_costgraph(cg)
-    for gap, bound in ((0.05, 30.0), (1e-3, 31.0 * (1 - 1e-3))):
-        choice, status, found = run_model(build_model(p, "highs"), p, "highs", math.inf, None, True, gap)
-        assert status == "optimal" and p.evaluate(choice)[0] == pytest.approx(31.0)
-        assert found == pytest.approx(bound, abs=1e-6), gap
+    choice, status, found = _lp_then_mip(p, 0.05)
+    assert status == "optimal" and p.evaluate(choice)[0] == pytest.approx(31.0) and found == pytest.approx(30.0)
+    choice, status, found = _lp_then_mip(p, 1e-3)
+    assert status == "optimal" and p.evaluate(choice)[0] == pytest.approx(31.0)
+    assert 31.0 * (1 - 1e-3) - 1e-9 <= found <= 31.0 + 1e-9
 
 
 def test_a_fractional_lp_under_a_memory_row_takes_a_support_plan_that_fits():
     """Two nodes, each 1 s in 2 bytes or 2 s in 1 byte, under a 2.5-byte row: only both slow fits (4 s);
     the LP buys half a fast node (3.5 s). Within a 20% gap the Lagrangian plan on the LP's support
     (both slow, 2 bytes) is taken with the LP's value as its bound; within 0.1% the MIP proves it."""
-    from autopar.planning.ilp import build_model, run_model
     cg = CostGraph([CostNode(f"n{i}", np.array([1.0, 2.0]), np.array([2.0, 1.0])) for i in range(2)], [],
                    memory_budget=2.5)
     p = from_costgraph(cg)
-    for gap, bound in ((0.2, 3.5), (1e-3, 4.0 * (1 - 1e-3))):
-        choice, status, found = run_model(build_model(p, "highs"), p, "highs", math.inf, None, True, gap)
-        assert status == "optimal" and p.evaluate(choice) == pytest.approx((4.0, 2.0))
-        assert found == pytest.approx(bound, abs=1e-6), gap
+    choice, status, found = _lp_then_mip(p, 0.2)
+    assert status == "optimal" and p.evaluate(choice) == pytest.approx((4.0, 2.0)) and found == pytest.approx(3.5)
+    choice, status, found = _lp_then_mip(p, 1e-3)
+    assert status == "optimal" and p.evaluate(choice) == pytest.approx((4.0, 2.0))
+    assert 4.0 * (1 - 1e-3) - 1e-9 <= found <= 4.0 + 1e-9
+
+
+def test_the_dive_finds_plans_within_the_gap_that_the_root_lp_support_misses():
+    """`integral_relaxation` under a memory row: where the root LP's support holds no plan within the gap,
+    fixing fractional nodes and re-solving (the dive) may find one; every plan it returns fits the row,
+    lies within the gap of the optimum (brute force), and reports a bound below that optimum. Some of
+    these random graphs need the dive (asserted), others the MIP (None)."""
+    from autopar.planning.ilp import _solve_lp_scaled, _support_plan, integral_relaxation
+    gap, dived = 0.05, 0
+    for quantile in (0.2, 0.3, 0.5):
+        for seed in range(60):
+            cg = random_graph(seed, budget_quantile=quantile)
+            ref = _brute_or_none(cg)
+            if ref is None:
+                continue
+            p = from_costgraph(cg)
+            got = integral_relaxation(p, gap)
+            if got is None:
+                continue
+            t, memory = p.evaluate(got[0])
+            assert memory <= p.budget and got[2] <= ref.time + 1e-9 and t * (1 - gap) <= ref.time + 1e-9, (quantile, seed)
+            bound, values = _solve_lp_scaled(p)
+            root = _support_plan(p, values, gap)
+            dived += root is None or p.evaluate(root)[1] > p.budget or \
+                p.evaluate(root)[0] - bound - p.time_offset > gap * p.evaluate(root)[0]
+    assert dived
+
+
+def _lp_then_mip(p, gap):
+    """What the solver's HiGHS path runs on a simplified problem: the LP (its support's plan), else the MIP."""
+    from autopar.planning.ilp import highs_mip, integral_relaxation
+    return integral_relaxation(p, gap) or highs_mip(p, math.inf, None, gap)
 
 
 @pytest.mark.parametrize("backend", ["highs", "auto"])
 def test_a_loose_gap_reports_a_valid_lower_bound(backend):
     """Stopping within a relative gap g: the plan is within g of the optimum and the reported bound is
-    a true lower bound (pywraplp reports HiGHS's objective as its bound; the gap is what is proven)."""
+    a true lower bound."""
     for seed in range(10):
         cg = random_graph(seed, budget_quantile=0.3)
         ref = _brute_or_none(cg)

@@ -34,12 +34,16 @@ optimum, taken without branching (without a memory row it is integral on every t
 measured: Llama-70B on 32 x 8, 347k variables, 22 s as a MIP, 6 s as an LP, same plan). Where it is
 fractional without a memory row (Llama-3-70B's micro-batch graphs on dp x tp sub-meshes: a few dozen
 nodes split between two strategies), the DP's best plan on the LP's support is taken when it lies
-within `mip_gap` of the LP's value (`ilp._support_plan`); otherwise the MIP runs, stopping at the
-relative gap `mip_gap`, whose proven bound is reported.
+within `mip_gap` of the LP's value (`ilp._support_plan`); otherwise a dive (fractional nodes fixed
+one at a time, the LP re-solved warm) looks for such a plan, and failing that the MIP (`ilp.highs_mip`:
+HiGHS's branch and cut without its presolve) runs, stopping at the relative gap `mip_gap`, whose
+proven bound is reported.
 
 Determinism: the DP, HiGHS/SCIP/CBC (one thread) and CP-SAT solved to optimality repeat byte for
 byte; under a time limit with deterministic=True CP-SAT runs `interleave_search` and stops on
-`max_deterministic_time` = half the remaining limit (the wall clock is only a safety net).
+`max_deterministic_time` = half the remaining limit (the wall clock is only a safety net), while
+HiGHS stops on the clock: a solve its time limit stops may return another plan on another run (pass
+backend="cpsat" where that matters; the planner broadcasts rank 0's plan, so ranks always agree).
 Backend choice, measured by benchmarks/solver_backends.py: see BENCHMARK in `autopar.planning.ilp`.
 
 Activation recompute (`autopar.planning.recompute`) adds a binary r_l per layer, linearized with the x[i,s]
@@ -58,7 +62,7 @@ from autopar.costmodel.memory import format_bytes
 from autopar.errors import InfeasiblePlanError, InputError, SolverError
 from autopar.planning.costgraph import CostEdge, CostGraph, CostNode, Solution
 from autopar.planning.dp_oracle import brute_force, lagrangian, problem_order, solve_unconstrained
-from autopar.planning.ilp import BACKENDS, build_model, integral_relaxation, run_model
+from autopar.planning.ilp import BACKENDS, build_model, highs_mip, integral_relaxation, run_model
 from autopar.planning.simplify import (
     SolverProblem,
     compact,
@@ -72,9 +76,13 @@ from autopar.planning.simplify import (
 __all__ = ["solve", "min_memory", "evaluate", "restrict", "brute_force", "BACKENDS"]
 
 # The ILP itself (variables, constraint families, backends) lives in `autopar.planning.ilp`.
-_MIP_BACKEND = "cpsat"     # the ILP used by "auto" (see BENCHMARK in autopar.planning.ilp)
-# ...up to this many edge-pair variables; above, HiGHS. Measured on Llama-3-70B over a 64x8 H100 mesh
-# (tiled: 143 nodes, 98,796 variables, memory row, 2 cores): HiGHS 20 s, CP-SAT 50 s, same plan.
+# "auto"'s ILP: HiGHS (`ilp.highs_mip`), except with deterministic=False up to _HIGHS_ABOVE edge-pair
+# variables, where CP-SAT's free portfolio wins (see BENCHMARK in autopar.planning.ilp). Deterministic
+# CP-SAT lost to HiGHS through highspy at every size benchmarks/solver_backends.py measures (102 nodes
+# under a memory row: 1.65 against 3.60 s, both optimal; 402 nodes at the 5 s limit: gap 5.8e-4
+# against 3.5e-3), and on Llama-3-70B over a 64 x 8 H100 mesh (tiled: 143 nodes, 98,796 variables,
+# memory row, 2 cores) HiGHS took 20 s through pywraplp to CP-SAT's 50 s, the same plan.
+_MIP_BACKEND = "cpsat"
 _HIGHS_ABOVE = 50_000
 
 
@@ -88,17 +96,18 @@ def _mip(p: SolverProblem, backend: str, deadline: float, hint: dict[int, int] |
         choice = restore(records, {})
         return choice, "optimal", p.evaluate(choice)[0]
     if backend in ("auto", "dp"):
-        backend = _MIP_BACKEND if _pair_variables(q) <= _HIGHS_ABOVE else "highs"
+        backend = _MIP_BACKEND if not deterministic and _pair_variables(q) <= _HIGHS_ABOVE else "highs"
     stats.update(mip_backend=backend)
-    if backend == "highs":   # the LP first, from arrays: the MIP's model is built only where it must run
-        relaxed = integral_relaxation(q, gap)
+    qhint = {i: hint[i] for i in q.time} if hint is not None else None
+    if backend == "highs":   # the LP first; the MIP (from the same arrays) only where it must run
+        relaxed = integral_relaxation(q, gap, deadline)
         if relaxed is not None:
             return restore(records, relaxed[0]), relaxed[1], relaxed[2]
+        choice, status, bound = highs_mip(q, deadline - _time.monotonic(), qhint, gap, stats)
+        return (restore(records, choice) if choice is not None else None), status, bound
     m = build_model(q, backend)
     stats.update(ilp_variables=m.solver.NumVariables())
-    qhint = {i: hint[i] for i in q.time} if hint is not None else None
-    seconds = deadline - _time.monotonic()
-    choice, status, bound = run_model(m, q, backend, seconds, qhint, deterministic, gap, lp_first=False)
+    choice, status, bound = run_model(m, q, backend, deadline - _time.monotonic(), qhint, deterministic, gap)
     return (restore(records, choice) if choice is not None else None), status, bound
 
 
@@ -244,7 +253,7 @@ def _search(p: SolverProblem, backend: str, deadline: float, hint: dict[int, int
     if best_t - bound <= gap * abs(best_t) or backend == "dp":
         return best, "optimal" if best_t - bound <= gap * abs(best_t) else "feasible", bound, "dp"
     choice, status, mip_bound = _mip(p, backend, deadline, best, deterministic, stats, gap)
-    used = stats.get("mip_backend", backend)   # "auto" picks HiGHS above _HIGHS_ABOVE pair variables
+    used = stats.get("mip_backend", backend)   # "auto" picks HiGHS or CP-SAT (_MIP_BACKEND)
     if status == "infeasible":
         raise SolverError(f"{used}: ILP infeasible although plan {best} fits (numerical trouble)")
     if _fits(p, choice) and p.evaluate(choice)[0] <= best_t:
