@@ -359,6 +359,23 @@ def test_price_solves_no_memory_row_where_only_recompute_fits_and_a_budget_free_
         (c.step_time, c.memory_per_device, c.recompute, c.inner_budget)
 
 
+def test_price_skips_the_rows_of_a_recompute_only_candidate_by_its_recomputed_budget_free_split():
+    """pp 2, 1F1B, m 4, 8 GB per device: only recompute fits (`_needs_recompute`), and no budget-free plan
+    splits even recomputed, so the rows are solved unless the fast cutoff skips them. The cutoff is
+    tested on the plan the rows would be priced as, recomputed: the budget-free plan splits at 60 s as it
+    is and at 77.1 s recomputed, so under a best found of 65 s no memory row is solved (on Llama-3.1-405B
+    x 2,048, MIPs of 30-50 CPU s each for candidates that lose), while under 80 s they are."""
+    from autopar.pipeline import candidates
+    plans = {"fast": (1.0, 4.0, 1.0), "mid": (1.0, 2.5, 1.2), "lean": (1.0, 1.0, 1.5)}
+    prof = _RecomputingProfiler(plans, 8)
+    [c] = candidates.price(prof, 2, 1, 1, 4, ("1f1b",), 8e9, cutoff=65.0)
+    assert not c.feasible and c.reason.startswith(candidates.SKIPPED) and "recomputed" in c.reason, c
+    assert all(row is None for row, _ in prof.rows), prof.rows
+    looser = _RecomputingProfiler(plans, 8)
+    [d] = candidates.price(looser, 2, 1, 1, 4, ("1f1b",), 8e9, cutoff=80.0)
+    assert d.feasible and d.recompute and d.inner_budget is not None, d
+
+
 def test_price_retries_a_weighted_row_above_its_floor():
     """12 units, activations only, 8 GB per device: the unweighted 16 GB row picks "wide" (12 x 1.3 GB),
     which needs 10.4 GB on a stage; no plan meets the weighted row (least: "lean", 12 x 1.5 = 18 GB),

@@ -216,7 +216,9 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
     only makes the SPMD plan's total slower, but not always its split's step: the row's plan spreads
     its time over the units differently (Llama-3-70B x 64 H100s, bf16, pp4 x dp4 x tp4, m 8,
     interleaved: 5.303 s budget-free, 5.291 s under its row; the other rows measured that split, +10.4%
-    and +11.6%), hence the margin, and exact search prices every row. Under a `cutoff` one stage
+    and +11.6%), hence the margin, and exact search prices every row. Where only full recompute can fit
+    (`_needs_recompute`) and no budget-free plan splits even recomputed, the cutoff is tested again on the
+    budget-free plan recomputed, as every row's plan would be priced. Under a `cutoff` one stage
     (accumulation) tries its budget-free plan first too, where otherwise its first row is the budget
     itself. The rows are the search's costly part: 2-D memory-row MIPs of 20-150 CPU s each on
     Llama-3-70B (HiGHS at the root node, cuts and sub-MIPs). `free_only` (one stage): the budget-free
@@ -257,6 +259,15 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
                 best, least = _recomputed(prof, pp, dp, tp, m, schedule, v, solved, split_under, budget, least)
                 if best is not None:
                     break
+                if cutoff is not None and (None, 1.0, r) in solved:
+                    # the fast cutoff on the plan these rows would be priced as: recomputed (below)
+                    layers = prof.recomputed(m, dp, tp, None, None, 1.0, r)[0]
+                    free = split_under(layers, None).step_time
+                    if free >= SKIP_MARGIN * cutoff:
+                        skipped = (f"{SKIPPED}: its budget-free plan, recomputed as it would have to be, splits "
+                                   f"at {free:.4g} s, {free / cutoff:.2f}x the best found ({cutoff:.4g} s), and "
+                                   f"needs {format_bytes(least)} per device")
+                        break
             if held is not None and row is not None and held[0] + w * held[1] <= row:
                 continue  # the looser plan already fits this row: a re-solve would return it again
             try:
