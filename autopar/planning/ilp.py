@@ -399,7 +399,7 @@ def highs_mip(p: SolverProblem, seconds: float, hint: dict[int, int] | None, gap
         stats.update(ilp_variables=len(arrays.c), mip_nodes=int(info.mip_node_count))
     if status == highspy.HighsModelStatus.kInfeasible:
         return None, "infeasible", -math.inf
-    if info.primal_solution_status != 2:   # kSolutionStatusFeasible: no plan found (in time)
+    if info.primal_solution_status != highspy.SolutionStatus.kSolutionStatusFeasible:   # no plan found (in time)
         return None, "unknown", -math.inf
     choice = arrays.choice(np.asarray(highs.getSolution().col_value))
     bound = info.mip_dual_bound / k + p.time_offset
