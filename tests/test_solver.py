@@ -41,6 +41,16 @@ def random_graph(seed: int, *, inf_rate: float = 0.1, budget_quantile: float | N
     return cg
 
 
+def _solvable(quantiles, seeds: int):
+    """((quantile, seed), SolverProblem, brute-force optimum) of each `random_graph` that has a plan."""
+    for quantile in quantiles:
+        for seed in range(seeds):
+            cg = random_graph(seed, budget_quantile=quantile)
+            ref = _brute_or_none(cg)
+            if ref is not None:
+                yield (quantile, seed), from_costgraph(cg), ref
+
+
 def _brute_or_none(cg):
     try:
         return brute_force(cg)
@@ -309,23 +319,17 @@ def test_highs_takes_an_integral_lp_optimum_and_branches_otherwise():
     fractional one (a memory row cutting the LP polytope) goes to the MIP. Both equal brute force."""
     from autopar.planning.ilp import highs_mip, integral_relaxation
     integral = fractional = 0
-    for quantile in (None, 0.2, 0.5):
-        for seed in range(8):
-            cg = random_graph(seed, budget_quantile=quantile)
-            ref = _brute_or_none(cg)
-            if ref is None:
-                continue
-            p = from_costgraph(cg)
-            relaxed = integral_relaxation(p, 1e-9)
-            choice, status, bound = highs_mip(p, math.inf, None, 1e-9)
-            assert status == "optimal" and p.evaluate(choice)[0] == pytest.approx(ref.time, rel=1e-6, abs=1e-9)
-            assert bound <= ref.time + 1e-9
-            if relaxed is None:
-                fractional += 1
-            else:
-                integral += 1
-                assert p.evaluate(relaxed[0])[0] == pytest.approx(ref.time, rel=1e-6, abs=1e-9), (quantile, seed)
-                assert p.budget is None or p.evaluate(relaxed[0])[1] <= p.budget * (1 + 1e-9)
+    for (quantile, seed), p, ref in _solvable((None, 0.2, 0.5), 8):
+        relaxed = integral_relaxation(p, 1e-9)
+        choice, status, bound = highs_mip(p, math.inf, None, 1e-9)
+        assert status == "optimal" and p.evaluate(choice)[0] == pytest.approx(ref.time, rel=1e-6, abs=1e-9)
+        assert bound <= ref.time + 1e-9
+        if relaxed is None:
+            fractional += 1
+        else:
+            integral += 1
+            assert p.evaluate(relaxed[0])[0] == pytest.approx(ref.time, rel=1e-6, abs=1e-9), (quantile, seed)
+            assert p.budget is None or p.evaluate(relaxed[0])[1] <= p.budget * (1 + 1e-9)
     assert integral and fractional   # both paths were taken
 
 
@@ -366,22 +370,16 @@ def test_the_dive_finds_plans_within_the_gap_that_the_root_lp_support_misses():
     these random graphs need the dive (asserted), others the MIP (None)."""
     from autopar.planning.ilp import _solve_lp_scaled, _support_plan, integral_relaxation
     gap, dived = 0.05, 0
-    for quantile in (0.2, 0.3, 0.5):
-        for seed in range(60):
-            cg = random_graph(seed, budget_quantile=quantile)
-            ref = _brute_or_none(cg)
-            if ref is None:
-                continue
-            p = from_costgraph(cg)
-            got = integral_relaxation(p, gap)
-            if got is None:
-                continue
-            t, memory = p.evaluate(got[0])
-            assert memory <= p.budget and got[2] <= ref.time + 1e-9 and t * (1 - gap) <= ref.time + 1e-9, (quantile, seed)
-            bound, values = _solve_lp_scaled(p)
-            root = _support_plan(p, values, gap)
-            dived += root is None or p.evaluate(root)[1] > p.budget or \
-                p.evaluate(root)[0] - bound - p.time_offset > gap * p.evaluate(root)[0]
+    for (quantile, seed), p, ref in _solvable((0.2, 0.3, 0.5), 60):
+        got = integral_relaxation(p, gap)
+        if got is None:
+            continue
+        t, memory = p.evaluate(got[0])
+        assert memory <= p.budget and got[2] <= ref.time + 1e-9 and t * (1 - gap) <= ref.time + 1e-9, (quantile, seed)
+        bound, values = _solve_lp_scaled(p)
+        root = _support_plan(p, values, gap)
+        dived += root is None or p.evaluate(root)[1] > p.budget or \
+            p.evaluate(root)[0] - bound - p.time_offset > gap * p.evaluate(root)[0]
     assert dived
 
 
