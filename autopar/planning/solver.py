@@ -104,10 +104,10 @@ def _mip(p: SolverProblem, backend: str, deadline: float, hint: dict[int, int] |
         if relaxed is not None:
             return restore(records, relaxed[0]), relaxed[1], relaxed[2]
         choice, status, bound = highs_mip(q, deadline - _time.monotonic(), qhint, gap, stats)
-        return (restore(records, choice) if choice is not None else None), status, bound
-    m = build_model(q, backend)
-    stats.update(ilp_variables=m.solver.NumVariables())
-    choice, status, bound = run_model(m, q, backend, deadline - _time.monotonic(), qhint, deterministic, gap)
+    else:
+        m = build_model(q, backend)
+        stats.update(ilp_variables=m.solver.NumVariables())
+        choice, status, bound = run_model(m, q, backend, deadline - _time.monotonic(), qhint, deterministic, gap)
     return (restore(records, choice) if choice is not None else None), status, bound
 
 
