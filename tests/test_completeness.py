@@ -175,7 +175,7 @@ def test_without_any_spmd_plan_the_most_promising_deferred_mesh_is_solved_before
     its step is the search's incumbent (here the 1-D shape is made to fail: GPT 2 layers on 2 x 8 at 150 MB)."""
     from autopar.pipeline import auto
     from autopar.planning import spmd
-    real_plan, real_bb = spmd.plan_captured, auto.branch_and_bound
+    real_plan, real_bb = spmd.solve_captured, auto.branch_and_bound
     incumbents = []
 
     def no_flat(captured, model, inputs, *, mesh, **kw):
@@ -186,7 +186,7 @@ def test_without_any_spmd_plan_the_most_promising_deferred_mesh_is_solved_before
     def seen(prof, jobs, budget, strategy, keep, incumbent=float("inf"), **kw):
         incumbents.append(incumbent)
         return real_bb(prof, jobs, budget, strategy, keep, incumbent=incumbent, **kw)
-    monkeypatch.setattr(spmd, "plan_captured", no_flat)
+    monkeypatch.setattr(spmd, "solve_captured", no_flat)
     monkeypatch.setattr(auto, "branch_and_bound", seen)
     got = _plan(_gpt(), _mesh(16, True), memory_budget=0.15 * GB, baselines=True)
     assert len(incumbents) == 1 and incumbents[0] < float("inf")
@@ -267,3 +267,20 @@ def test_a_one_axis_plan_that_needs_recompute_waits_for_the_other_layouts(monkey
     alone = _plan(case, mesh, memory_budget=0.28 * GB, num_stages=None)
     assert (8,) in solved and alone.recompute and alone.memory_per_device <= 0.28 * GB
     assert alone.predicted_step_time >= row["bound"] * (1 - 1e-9)
+
+
+def test_only_the_plan_kept_is_assembled(monkeypatch):
+    """The default call solves the SPMD plan of every shape of the devices (16 as 2 x 8, 16, 8 x 2, 4 x 4) and
+    keeps one: only that one's Plan is assembled (collectives, per-node choices, candidates table: ~0.5 CPU s
+    per shape on Llama-3-8B's full graph); the others are rows of its table, with their solved step."""
+    from autopar.planning import spmd
+    assembled = []
+    real = spmd.assemble_plan
+    monkeypatch.setattr(spmd, "assemble_plan", lambda *a: assembled.append(a[2]) or real(*a))
+    got = _plan(_gpt(), _mesh(16, True), baselines=True)
+    rows = {k: v for k, v in got.baselines.items() if k.startswith("spmd ") and v["feasible"]}
+    assert assembled == [got.mesh] and len(rows) >= 2
+    for name, row in rows.items():   # each row's step is its own shape's plan, as planned alone
+        shape = tuple(int(x) for x in name.removeprefix("spmd (").rstrip(")").split(",") if x.strip())
+        alone = _plan(_gpt(), autopar.Mesh(shape, hardware="h100", devices_per_node=8), num_stages=None)
+        assert row["time"] == pytest.approx(alone.predicted_step_time, rel=1e-9)

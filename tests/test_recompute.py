@@ -186,6 +186,26 @@ def test_auto_is_never_slower_than_a_recipe_with_recompute(gpt, captured):
 
 
 
+def test_a_solved_plan_reports_what_its_assembled_plan_holds(gpt, captured, world1):
+    """`spmd.solve_captured` (the layout search solves every shape of the devices and assembles the Plan of
+    the one it keeps): the step, memory, gap, recompute and feasibility it reports, which the search compares
+    and lists, are those of the Plan it assembles, with recompute and without, and over the budget."""
+    from autopar.planning import spmd
+    _, _, mid, budget = world1
+    kinds = set()
+    for mesh, kw in (((2,), {}), ((1,), {"memory_budget": budget}), ((2,), {"recompute": "all"}),
+                     ((2,), {"memory_budget": 1, "recompute": "none", "strategy": "dp"})):
+        solved = spmd.solve_captured(captured, gpt.model, gpt.args, mesh=autopar.Mesh(mesh), baselines=False, **kw)
+        plan = solved.plan()
+        assert solved.predicted_step_time == pytest.approx(plan.predicted_step_time, rel=1e-12)
+        assert solved.memory_per_device == pytest.approx(plan.memory_per_device, rel=1e-12)
+        assert (solved.feasible, solved.gap, solved.recompute, solved.mesh) == \
+            (plan.feasible, plan.gap, plan.recompute, plan.mesh)
+        kinds.add((plan.feasible, len(plan.recompute) > 0))
+    assert kinds == {(True, False), (True, True), (False, False)}   # the cases above cover each
+    assert solved.memory_per_device > 1 and mid.recompute   # mid: the one-device plan under `budget`
+
+
 def test_recipes_slower_than_the_ceiling_do_not_warm_start_the_solve(gpt, captured, monkeypatch):
     """`plan_captured(ceiling=c)` (the layout search's best plan so far): a recipe whose fastest plan without
     the memory row is slower than c cannot give the plan kept, so its plan with recompute is not solved

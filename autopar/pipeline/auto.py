@@ -113,13 +113,14 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
 
     def plan_spmd(k: int, spmd_mesh: Mesh, cutoff: float | None, resume: spmd.PlanCutoff | None = None,
                   rc=recompute, ceiling: float | None = None) -> float:
-        """Plans `spmd_mesh` into plans, floors or deferred; its step time, inf when it has no plan (yet)."""
+        """Plans `spmd_mesh` into plans (`spmd.Solved`), floors or deferred; its step time, inf when it has no
+        plan (yet)."""
         phases, step = PhaseTimer(), float("inf")
         try:
-            plans.append(spmd.plan_captured(captured, model, example_inputs, mesh=spmd_mesh,
-                                            memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
-                                            baselines=baselines and k == 0, timer=phases, recompute=rc,
-                                            cutoff=cutoff, resume=resume, ceiling=ceiling))
+            plans.append(spmd.solve_captured(captured, model, example_inputs, mesh=spmd_mesh,
+                                             memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
+                                             baselines=baselines and k == 0, timer=phases, recompute=rc,
+                                             cutoff=cutoff, resume=resume, ceiling=ceiling))
             step = plans[-1].predicted_step_time if plans[-1].feasible else step
         except InfeasiblePlanError as e:
             floors.append(e)
@@ -225,13 +226,15 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
         best = min((p for p in more if p.feasible), key=lambda p: p.predicted_step_time, default=None)
     if best is None:
         raise _infeasible(model, mesh, budget, optimizer, plans, floors, found, pipelines, policy)
+    chosen = best   # the one SPMD plan kept is assembled (the other shapes stay rows of the table)
+    best = best.plan() if isinstance(best, spmd.Solved) else best
     timer["total"] = sum(v for k, v in timer.items() if k != "total")
     # the recipes priced on the caller's mesh (k = 0), whichever shape won, solved or cut
     caller_recipes = [p.baselines for p in plans if p.mesh == mesh] + [c.state[1] for k, _, c in deferred if k == 0] \
         + ([refused] if refused else [])
     table = {**(caller_recipes[0] if caller_recipes else best.baselines), **pruned}
     for p in plans:   # the other shapes of the devices (regrid's last-resort grids stay out of the summary)
-        if p is not best and p.feasible and all(p is not q for q in more):
+        if p is not chosen and p.feasible and all(p is not q for q in more):
             table[f"spmd {p.mesh.shape}"] = {"feasible": True, "time": p.predicted_step_time,
                                               "memory": p.memory_per_device, "reason": _stopped(p)}
     runner_up = piped if best.stages == () else min(
