@@ -391,8 +391,9 @@ def _lp_then_mip(p, gap):
 
 @pytest.mark.parametrize("backend", ["highs", "auto"])
 def test_a_loose_gap_reports_a_valid_lower_bound(backend):
-    """Stopping within a relative gap g: the plan is within g of the optimum and the reported bound is
-    a true lower bound."""
+    """Stopping within a relative gap g: the plan's time t is within g of the optimum as the solver
+    measures a gap, relative to the plan (t - optimum <= g t, HiGHS's definition), and the reported bound
+    is a true lower bound."""
     for seed in range(10):
         cg = random_graph(seed, budget_quantile=0.3)
         ref = _brute_or_none(cg)
@@ -400,4 +401,4 @@ def test_a_loose_gap_reports_a_valid_lower_bound(backend):
             continue
         sol = solve(cg, backend=backend, mip_gap=0.2)
         assert sol.lower_bound <= ref.time + 1e-9 <= sol.time + 2e-9, seed
-        assert sol.time <= ref.time * 1.2 + 1e-9, seed
+        assert sol.time * (1 - 0.2) <= ref.time + 1e-9, seed

@@ -296,8 +296,9 @@ def solve(cg: CostGraph, *, time_limit: float | None = None, backend: str = "aut
 
     `fixed` maps a node to the strategy indices it may use; `dedup_layers` solves one layer per
     class of `cg.layer_groups` and tiles it (see `quotient_layers`; the bound is then over tiled
-    plans). "optimal" means proven within the relative `mip_gap`; `lower_bound` holds the proven
-    bound. Raises InfeasiblePlanError (with the minimum memory) when no plan fits.
+    plans). "optimal" means proven within the relative `mip_gap` (time - bound <= mip_gap * time, the
+    plan's time: HiGHS's definition); `lower_bound` holds the proven bound. Raises InfeasiblePlanError
+    (with the minimum memory) when no plan fits.
     `cache`: a dict kept by a caller that solves the same `cg` several times (other `fixed`, hint or
     memory budget, but the same nodes, edges and layers): work that depends on those only is reused
     (the layer quotient; the time optimum without the memory row and the least memory, per `fixed`).
