@@ -94,7 +94,7 @@ def test_the_search_returns_the_full_graphs_plan_of_what_it_priced():
         args = (best.num_microbatches, best.dp, best.tp, best.inner_budget, None, best.inner_weight,
                 best.inner_step_weight)
         assert (depth.depth_of(prof.problem(*args[:3])) is not None) == shallow
-        full, units, sol, _ = prof.full_solution(*args, recompute=bool(best.recompute))
+        full, units, sol, _ = prof.full_solution(*args, recompute=best.recompute)
         assert depth.depth_of(full) is None   # the plan is built on the full graph
         _same_units(units, result.layers)     # with the unit profile the search priced
         if shallow:   # from the very solution the search priced, mapped

@@ -411,7 +411,8 @@ def _searched_recompute_plan(case):
     """The plan the default search builds for pp2 x dp2, 2 micro-batches, 1F1B under 80% of the leaner of its
     budget-free plans' memory (the step's weighting's and least S + P's, which `candidates.price` tries before
     any row): no memory row's plan splits within it, so `candidates.price` prices the budget-free plan with
-    full recompute (every layer but the last) and `auto.pipelined_plan` builds exactly that."""
+    full recompute (every layer but the last), then recomputes only the layers its stages need on that
+    split (`candidates.fewest_recomputed`: two of the three), and `auto.pipelined_plan` builds exactly that."""
     from autopar.debug import PhaseTimer
     from autopar.pipeline.auto import pipelined_plan
     from autopar.pipeline.candidates import price
@@ -425,13 +426,14 @@ def _searched_recompute_plan(case):
         budget = 0.8 * min(free.memory_per_device, max(lean.stage_memory))
         [searched] = price(prof, 2, 2, 1, 2, ("1f1b",), budget)
         plan = pipelined_plan(prof, searched, case.model, budget, PhaseTimer())
-    assert searched.feasible and searched.recompute == ("transformer.h.0", "transformer.h.1", "transformer.h.2")
+    every = {"transformer.h.0", "transformer.h.1", "transformer.h.2"}
+    assert searched.feasible and searched.recompute and set(searched.recompute) < every
     assert plan.recompute == searched.recompute and plan.mesh == PP_DP and plan.memory_per_device <= budget
     return plan
 
 
 def _check_searched_recompute(per_rank, model, batches, planned):
-    """A plan the search found with full recompute trains like one process, re-running exactly its layers."""
+    """A plan the search found with recompute trains like one process, re-running exactly its layers."""
     _equal_fp32(per_rank, model, batches)
     assert per_rank[0]["plan"] == planned.to_json()
     ran = sorted({p for got in per_rank for p in got["recomputed"]})

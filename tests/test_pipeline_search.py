@@ -337,6 +337,34 @@ class _RecomputingProfiler(_TradeOffProfiler):
                  for x in found], None, RecomputeDecision(paths))
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_a_split_recomputes_only_the_layers_its_devices_need(schedule):
+    """`candidates.fewest_recomputed`: of a split priced with every layer but the last recomputing, as few
+    layers recompute as each device's budget allows (bounds kept). Eight alike layers, pp 2, m 4, 20 GB:
+    against every subset of the seven that can recompute, on the same bounds, it reaches the least step
+    of those that fit, and the split it returns is the mixed profile's, priced as `partition` prices."""
+    import itertools
+
+    from autopar.pipeline.candidates import fewest_recomputed
+    from autopar.pipeline.stages import INTERLEAVE, LayerCost, priced_split
+    v = INTERLEAVE if schedule == "interleaved_1f1b" else 1
+    plain = [LayerCost(f"h.{i}", 1.0, 2.0, 1e9, 4e9, 1e6) for i in range(8)]
+    rc = [replace(x, backward=3.0, activation_bytes=0.4e9) for x in plain[:-1]] + plain[-1:]
+
+    def reprice(layers, bounds):
+        return priced_split(layers, bounds, 2, 4, schedule, p2p_time=lambda b: 1e-3, v=v)
+    split = partition(rc, 2, 4, schedule, p2p_time=lambda b: 1e-3, memory_budget=20e9, v=v)
+    layers, got, names = fewest_recomputed(plain, rc, split, 20e9, 2, 4, schedule, v, reprice)
+    assert got.bounds == split.bounds and max(got.stage_memory) <= 20e9
+    assert got == reprice(layers, split.bounds)
+    assert [x.name for x in layers if x in rc[:-1] and x not in plain] == list(names)
+    best = min(s.step_time for s in (reprice([rc[i] if i in on else x for i, x in enumerate(plain)], split.bounds)
+                                     for k in range(8) for on in itertools.combinations(range(7), k))
+               if max(s.stage_memory) <= 20e9)
+    assert got.step_time == pytest.approx(best) and got.step_time < split.step_time
+    assert 0 < len(names) < 7
+
+
 def test_price_solves_no_memory_row_where_only_recompute_fits_and_a_budget_free_plan_does():
     """pp 2, 1F1B, m 4, 9.5 GB per device: no plan splits without recompute (the leanest needs 10 GB on a
     stage), as `_needs_recompute` proves, so every row's plan would be priced recomputed, loosest first.
@@ -426,10 +454,12 @@ def test_a_fast_search_solves_no_memory_rows_for_a_candidate_no_faster_than_the_
 def test_a_candidate_only_recompute_can_fit_is_bounded_with_its_rerun():
     """`candidates._needs_recompute`: where one micro-batch's saved activations (at least the whole batch's on
     one device over m k) exceed the budget on the fullest device whatever the split, only full recompute can
-    make the candidate fit, and its bound adds the re-run forward ops (`Profiler.rerun_seconds_bound`). A
-    4-layer Llama, pp2 x dp2, 2 micro-batches, 1F1B: the floor is below what the budget-free plan holds,
-    the stronger bound is below the step priced with recompute, and the pruned search finds the best of all."""
-    from autopar.pipeline.candidates import _needs_recompute, price
+    make the candidate fit, and its bound adds the re-run forward ops that freeing the excess takes at least
+    (`Profiler.rerun_seconds_bound`: the candidate may recompute fewer layers than all, `fewest_recomputed`).
+    A 4-layer Llama, pp2 x dp2, 2 micro-batches, 1F1B: the floor is below what the budget-free plan holds,
+    the stronger bound is at most full recompute's and below the step priced with recompute, and the
+    pruned search finds the best of all."""
+    from autopar.pipeline.candidates import _excess, _needs_recompute, price
     from autopar.pipeline.search import Profiler
     from autopar.pipeline.stages import INTERLEAVE, step_lower_bound
     case = models.tiny_llama(batch=16, seq=256, n_layer=4)
@@ -448,6 +478,9 @@ def test_a_candidate_only_recompute_can_fit_is_bounded_with_its_rerun():
     assert _needs_recompute(prof, 2, 2, 2, "1f1b", budget) and not _needs_recompute(prof, 2, 2, 2, "1f1b", floor)
     ops, step = prof.seconds_bound(2, 2)
     plain = step_lower_bound(ops, step, 2, 2, "1f1b", INTERLEAVE)
-    strong = step_lower_bound(ops + prof.rerun_seconds_bound(2, 2), step, 2, 2, "1f1b", INTERLEAVE)
-    assert fit.feasible and fit.recompute and plain < strong <= fit.step_time
+    excess = _excess(prof, 2, 2, 2, "1f1b", budget)
+    strong = step_lower_bound(ops + prof.rerun_seconds_bound(2, 2, excess), step, 2, 2, "1f1b", INTERLEAVE)
+    full = step_lower_bound(ops + prof.rerun_seconds_bound(2, 2), step, 2, 2, "1f1b", INTERLEAVE)
+    assert excess > 0 and prof.rerun_seconds_bound(2, 2, 0.0) == 0.0
+    assert fit.feasible and fit.recompute and plain < strong <= full and strong <= fit.step_time
     assert best.best == every.best and len(best.candidates) < len(every.candidates)

@@ -79,6 +79,14 @@ def test_spmd_rows_price_as_the_search_prices(mixed_precision):
 
 
 
+def _recompute_case():
+    """A 4-layer GPT (width 256) and its Profiler on 2 x 8 H100s: pp 2 x dp 4 x tp 2, m 4, 1F1B splits
+    within 40 MB only with recompute."""
+    case = models.meta_gpt(n_layer=4, n_embd=256, n_head=4, batch=16, seq=128)
+    mesh = autopar.Mesh((2, 8), hardware="h100", devices_per_node=8)
+    return case, Profiler(case.model, case.example_inputs, mesh.hardware, mesh.devices_per_node)
+
+
 def test_a_pipeline_that_fits_only_with_recompute_builds_what_the_search_priced():
     """Under 40 MB no split of any memory row's plan of pp 2 x dp 4 x tp 2 fits, and `price` tries each
     with every layer but the last recomputing (`candidates._recomputed`): that candidate fits, and the
@@ -88,9 +96,7 @@ def test_a_pipeline_that_fits_only_with_recompute_builds_what_the_search_priced(
     schedule="1f1b", num_microbatches=4)` on this mesh picks this very candidate.)"""
     from autopar.debug import PhaseTimer
     from autopar.pipeline.auto import pipelined_plan
-    case = models.meta_gpt(n_layer=4, n_embd=256, n_head=4, batch=16, seq=128)
-    mesh = autopar.Mesh((2, 8), hardware="h100", devices_per_node=8)
-    prof = Profiler(case.model, case.example_inputs, mesh.hardware, mesh.devices_per_node)
+    case, prof = _recompute_case()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         [priced] = price(prof, 2, 4, 2, 4, ("1f1b",), 40e6)
@@ -105,3 +111,31 @@ def test_a_pipeline_that_fits_only_with_recompute_builds_what_the_search_priced(
     # recompute seconds measured against that objective's bound (a 405B plan read "optimal, gap 61%")
     solved = prof.solution(4, 4, 2, priced.inner_budget, None, priced.inner_weight, priced.inner_step_weight)
     assert plan.gap == pytest.approx(solved.gap, abs=1e-9) and plan.gap <= SEARCH_GAP
+
+
+def test_a_pipeline_recomputes_only_the_layers_its_stages_need(monkeypatch):
+    """The same candidate under 40.5 MB: every layer that can recompute (h.0-h.2) fits with 1.2 MB to spare,
+    and one of them need not re-run its forward (`candidates.fewest_recomputed`): the candidate recomputes
+    two, steps faster than with all three, and the plan built from it recomputes those two, with the step
+    and memory priced."""
+    from autopar.debug import PhaseTimer
+    from autopar.pipeline import candidates
+    from autopar.pipeline.auto import pipelined_plan
+    case, prof = _recompute_case()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        [priced] = price(prof, 2, 4, 2, 4, ("1f1b",), 40.5e6)
+        plan = pipelined_plan(prof, priced, case.model, 40.5e6, PhaseTimer())
+        with monkeypatch.context() as patched:   # Megatron's full recompute: every layer but the last
+            patched.setattr(candidates, "fewest_recomputed", lambda plain, rc, split, *a: (
+                rc, split, ("transformer.h.0", "transformer.h.1", "transformer.h.2")))
+            [full] = price(prof, 2, 4, 2, 4, ("1f1b",), 40.5e6)
+            full_plan = pipelined_plan(prof, full, case.model, 40.5e6, PhaseTimer())
+    assert full.feasible and full_plan.recompute == ("transformer.h.0", "transformer.h.1", "transformer.h.2")
+    assert priced.feasible and 0 < len(priced.recompute) < 3 and set(priced.recompute) < set(full.recompute)
+    assert priced.split.bounds == full.split.bounds and priced.step_time < full.step_time
+    assert plan.recompute == priced.recompute and len(plan.stages) == 2
+    assert plan.predicted_step_time == pytest.approx(priced.step_time, rel=REL)
+    assert plan.memory_per_device == pytest.approx(priced.memory_per_device, rel=REL) and plan.memory_per_device <= 40.5e6
+    assert full_plan.predicted_step_time == pytest.approx(full.step_time, rel=REL)
+    assert full_plan.predicted_step_time > plan.predicted_step_time

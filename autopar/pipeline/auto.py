@@ -35,8 +35,9 @@ One capture of the whole batch (under the mixed-precision policy, with `example_
      budget, is 1.05x the best step found or slower (`candidates.price`'s cutoff: a heuristic; those
      MIPs were nearly all of a large model's search time). `plan.solver["search"]` says which ran,
      and how many rows it skipped. A candidate whose rows' plans split within the budget only with
-     full recompute (every layer but a stack's last) is priced so (`candidates._recomputed`), except
-     with recompute="none".
+     recompute is priced with every layer but a stack's last recomputed, then with only as many as its
+     split's devices need (`candidates._recomputed`, `candidates.fewest_recomputed`), except with
+     recompute="none".
   3. Only when nothing above fits: SPMD on every other 2-D grid (N / k) x k of the same devices
      (`autopar.pipeline.regrid`: k beyond a node too), so that feasibility never falls as devices are
      added (a batch of 64 that 64 devices run as a pipeline runs on 1,024 as 64 x 16).
@@ -254,7 +255,7 @@ def pipelined_plan(prof: Profiler, best: Candidate, model, budget, timer) -> Pla
     cap, inputs = prof.captured(m)
     # the profile and solution the search priced (with its layers recomputed if it priced so), on the full graph
     prob, layers, sol, rc = prof.full_solution(m, best.dp, best.tp, best.inner_budget, None, best.inner_weight,
-                                               best.inner_step_weight, recompute=bool(best.recompute))
+                                               best.inner_step_weight, recompute=best.recompute)
     wanted = recipes.normalize("auto", sub)
     one_stage = spmd.assemble_plan(prob, cap, sub, "auto", wanted, None, sol, "", {}, timer, model, inputs)
     one_stage = assemble.with_recompute(one_stage, prob, sol.choice, rc)

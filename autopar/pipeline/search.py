@@ -289,37 +289,48 @@ class Profiler:
         return self.recomputes[key]
 
     def full_solution(self, m: int, dp: int, tp: int, budget: float | None, strategy=None, act_weight: float = 1.0,
-                      step_weight: float = 1.0, recompute: bool = False):
-        """The plan of `layers(...)` (`recomputed(...)` if `recompute`) on the full graph: (its CostProblem,
-        unit profile, Solution, RecomputeDecision or None). Where the search priced the shallow graph, its
-        choice is mapped onto the full graph (`depth.full_choice`, the same prices), or the full graph is
-        solved the same way if the two do not line up."""
+                      step_weight: float = 1.0, recompute: tuple[str, ...] = ()):
+        """The plan of `layers(...)` on the full graph, the layers `recompute` names re-running their forward in
+        backward (`candidates.fewest_recomputed`: those of `recomputed(...)` the stages need; all of them is
+        Megatron's full recompute): (its CostProblem, unit profile, Solution, RecomputeDecision or None).
+        Where the search priced the shallow graph, its choice is mapped onto the full graph
+        (`depth.full_choice`, the same prices), or the full graph is solved the same way if the two do not
+        line up."""
         args = (m, dp, tp, budget, strategy, act_weight, step_weight)
-        layers, sol, rc = self.recomputed(*args) if recompute else (self.layers(*args), self.solution(*args), None)
-        prob = self.problem(m, dp, tp, strategy)
-        if depth.depth_of(prob) is None:
-            return prob, layers, sol, rc
-        full = self.problem(m, dp, tp, strategy, full=True)
-        view = self.weighted(m, dp, tp, strategy, act_weight, step_weight, full=True)
-        view.cg.memory_budget = budget
-        choice = depth.full_choice(prob, full, self.solution(*args).choice)
-        if choice is None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                sol = spmd.solve_problem(view, time_limit=self.time_limit, mip_gap=SEARCH_GAP)
-        else:
-            t, mem = evaluate(view.cg, choice)
-            base = self.solution(*args)
-            stats = {**base.stats, "nodes": len(view.cg.nodes), "edges": len(view.cg.edges),
-                     "shallow_nodes": base.stats.get("nodes"), "shallow_layers": depth.TRACED}
-            sol = dataclasses.replace(base, choice=choice, time=t, memory=mem, lower_bound=min(base.lower_bound, t),
-                                      stats=stats)
-        rc = None
-        if recompute:
-            ex = recompute_mod.expand(full)
-            sol, rc = recompute_mod.with_layers(ex, full, sol, recompute_mod.recomputable(full.gm))
-            return full, tuple(layer_costs(full, sol.choice, recompute=rc.paths, expanded=ex)), sol, rc
-        return full, tuple(layer_costs(full, sol.choice)), sol, rc
+        target, sol = self.problem(m, dp, tp, strategy), self.solution(*args)
+        if depth.depth_of(target) is not None:
+            target = self.problem(m, dp, tp, strategy, full=True)
+            view = self.weighted(m, dp, tp, strategy, act_weight, step_weight, full=True)
+            view.cg.memory_budget = budget
+            choice = depth.full_choice(self.problem(m, dp, tp, strategy), target, sol.choice)
+            if choice is None:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    sol = spmd.solve_problem(view, time_limit=self.time_limit, mip_gap=SEARCH_GAP)
+            else:
+                t, mem = evaluate(view.cg, choice)
+                stats = {**sol.stats, "nodes": len(view.cg.nodes), "edges": len(view.cg.edges),
+                         "shallow_nodes": sol.stats.get("nodes"), "shallow_layers": depth.TRACED}
+                sol = dataclasses.replace(sol, choice=choice, time=t, memory=mem,
+                                          lower_bound=min(sol.lower_bound, t), stats=stats)
+        if not recompute:
+            return target, tuple(layer_costs(target, sol.choice)), sol, None
+        if self.expanded[0] is not target:
+            self.expanded = (target, recompute_mod.expand(target))
+        ex = self.expanded[1]
+        sol, rc = recompute_mod.with_layers(ex, target, sol, recompute)
+        return target, tuple(layer_costs(target, sol.choice, recompute=rc.paths, expanded=ex)), sol, rc
+
+    def partly_recomputed(self, m: int, dp: int, tp: int, budget: float | None, strategy=None,
+                          act_weight: float = 1.0, step_weight: float = 1.0,
+                          names: tuple[str, ...] = ()) -> tuple[LayerCost, ...]:
+        """The unit profile of `layers(...)` with the units `names` as `recomputed(...)` prices them (the
+        profile `candidates.fewest_recomputed` split)."""
+        args = (m, dp, tp, budget, strategy, act_weight, step_weight)
+        if not names:
+            return tuple(self.layers(*args))
+        keep = set(names)
+        return tuple(r if r.name in keep else p for p, r in zip(self.layers(*args), self.recomputed(*args)[0]))
 
     def weighted(self, m: int, dp: int, tp: int, strategy=None, act_weight: float = 1.0, step_weight: float = 1.0,
                  full: bool = False):
@@ -382,24 +393,46 @@ class Profiler:
             hw = prob.mesh.hardware   # a parameter's step pays param_step_overhead, an op op_overhead
             launch = np.minimum(seconds, np.where(param, hw.param_step_overhead, hw.op_overhead))
             # what full recompute re-runs (`recomputed`: `recompute.copied_nodes` of every recomputable layer)
-            layers, rerun = recompute_mod.layer_nodes(cap.gm), set()
-            for path in recompute_mod.recomputable(cap.gm):
-                rerun.update(recompute_mod.copied_nodes(layers[path]))
-            saved = sum(float(np.min(mem["activations"])) for mem in prob.memory)
+            layers, rerun, layer_of = recompute_mod.layer_nodes(cap.gm), set(), {}
+            for j, path in enumerate(recompute_mod.recomputable(cap.gm)):
+                copied = recompute_mod.copied_nodes(layers[path])
+                rerun.update(copied)
+                layer_of.update({n: j for n in [*layers[path], *copied]})
+            acts = np.array([float(np.min(mem["activations"])) for mem in prob.memory])
             self.floors[1] = (seconds, launch, param, len(set(unit_names(prob)[1])),
-                              np.array([n in rerun for n in prob.nodes], dtype=bool), saved)
+                              np.array([n in rerun for n in prob.nodes], dtype=bool), float(acts.sum()), acts,
+                              np.array([layer_of.get(n, -1) for n in prob.nodes], dtype=np.int64))
             self.floors["units"] = depth.unit_signatures(prob)
         seconds, launch, param = self.floors[1][:3]
         per = np.maximum(seconds / (m * k), launch)
         once = np.maximum(seconds / k, launch)
         return float(per[~param].sum()), float(once[param].sum())
 
-    def rerun_seconds_bound(self, m: int, k: int) -> float:
-        """Per micro-batch seconds that the re-run forward of full recompute (`recomputed`) costs at
-        least, m micro-batches on k devices per stage: each re-run op max(t / (m k), c) (`seconds_bound`)."""
+    def rerun_seconds_bound(self, m: int, k: int, freed: float | None = None) -> float:
+        """Per micro-batch seconds that re-run forward ops cost at least, m micro-batches on k devices per
+        stage, each re-run op max(t / (m k), c) (`seconds_bound`). Where recompute must free `freed` bytes
+        of one micro-batch's saved activations (summed over the stages, as `activation_floor` counts them):
+        a plan keeps at least the floor share of every op of the layers it does not recompute, so the
+        layers it recomputes must cover `freed` in floor shares; the least re-run seconds of such a set of
+        layers, relaxed to a fractional knapsack (each layer: its ops' floor shares against its re-run
+        ops' seconds), bounds every plan's. `freed=None`: full recompute (`recomputed`), every re-run op."""
         self.one_device_seconds(1)
-        seconds, launch, rerun = self.floors[1][0], self.floors[1][1], self.floors[1][4]
-        return float(np.maximum(seconds[rerun] / (m * k), launch[rerun]).sum())
+        seconds, launch, rerun, acts, layer = (self.floors[1][i] for i in (0, 1, 4, 6, 7))
+        cost = np.where(rerun, np.maximum(seconds / (m * k), launch), 0.0)
+        if freed is None:
+            return float(cost[rerun].sum())
+        if freed <= 0.0:
+            return 0.0
+        mine = layer >= 0
+        c = np.bincount(layer[mine], weights=cost[mine])          # per recomputable layer
+        b = np.bincount(layer[mine], weights=acts[mine] / (m * k))
+        if b.sum() < freed:   # not even full recompute frees that much: no plan fits
+            return float(cost[rerun].sum())
+        order = np.argsort(np.where(b > 0, c / np.maximum(b, 1e-300), np.inf), kind="stable")
+        c, b = c[order], b[order]
+        before = np.r_[0.0, np.cumsum(b)[:-1]]
+        take = np.clip((freed - before) / np.maximum(b, 1e-300), 0.0, 1.0)   # cheapest per byte first
+        return float((take * c).sum())
 
     def activation_floor(self, m: int, k: int) -> float:
         """Bytes per device that one micro-batch's saved activations (of m, on k devices per stage) take
@@ -471,7 +504,7 @@ def search(model, example_inputs, *, mesh: Mesh, memory_budget=None, schedules=D
     full = Mesh((best.pp, *sub.shape), ("pp", *sub.axis_names), mesh.hardware, mesh.devices_per_node)
     args = (best.num_microbatches, best.dp, best.tp, best.inner_budget, strategy, best.inner_weight,
             best.inner_step_weight)
-    layers = prof.recomputed(*args)[0] if best.recompute else prof.layers(*args)
+    layers = prof.partly_recomputed(*args, names=best.recompute)
     return SearchResult(best, tuple(found), full, sub, layers, cap, inputs)
 
 

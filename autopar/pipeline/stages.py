@@ -268,6 +268,18 @@ def partition(layers: Sequence[LayerCost], p: int, m: int, schedule: str, *, p2p
     return dataclasses.replace(best, step_time=best.step_time + overhead) if overhead else best
 
 
+def priced_split(layers: Sequence[LayerCost], bounds: Sequence[int], p: int, m: int, schedule: str, *,
+                 p2p_time: Callable[[float], float], v: int = 1, overhead: float = 0.0) -> StageSplit:
+    """The StageSplit of `layers` cut at `bounds` (first unit of each stage, or chunk for interleaved), priced
+    as `partition` prices the splits it compares: its step time (`overhead` included) and each device's memory."""
+    vv = v if schedule == "interleaved_1f1b" else 1
+    _check_schedule(schedule, p, m, vv)
+    counts = [chunk_in_flight(schedule, p, m, k, vv) for k in range(p * vv)]
+    split = _split(stage_time_matrix(layers, p2p_time), _stage_memory(layers, counts), counts, list(bounds), m,
+                   schedule, vv, _prefix(layers, "per_step"), _shared(layers, 2))
+    return dataclasses.replace(split, step_time=split.step_time + overhead) if overhead else split
+
+
 def _round_shares(v: int) -> list[tuple[float, ...]]:
     """How a device's budget is shared among its v chunks (one per round) in `partition`'s masks:
     evenly, then the first round (whose chunks keep the most micro-batches in flight) given more or
