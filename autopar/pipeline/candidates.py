@@ -204,20 +204,24 @@ def _needs_recompute(prof: Profiler, pp: int, k: int, m: int, schedule: str, bud
     state aside. `price` then prices it with recompute or not at all."""
     if budget is None:
         return False
-    v = INTERLEAVE if schedule == "interleaved_1f1b" else 1
-    counts = [chunk_in_flight(schedule, pp, m, c, v) for c in range(pp * v)]
-    if min(counts) <= 0:   # a chunk that keeps nothing could hold every unit
+    spread = _inverse_in_flight(pp, m, schedule)
+    if spread is None:   # a chunk that keeps nothing could hold every unit
         return False
-    return prof.activation_floor(m, k) / sum(1.0 / c for c in counts) > budget
+    return prof.activation_floor(m, k) / spread > budget
 
 
 def _excess(prof: Profiler, pp: int, k: int, m: int, schedule: str, budget: float) -> float:
     """Bytes of one micro-batch's saved activations (summed over the stages) that recompute must free
-    for a plan to fit: what `_needs_recompute`'s fullest device would hold beyond `budget`, times
-    Σ_c 1 / in-flight(c)."""
+    for a plan to fit, where `_needs_recompute` holds: what its fullest device would hold beyond `budget`,
+    times Σ_c 1 / in-flight(c)."""
+    return prof.activation_floor(m, k) - budget * _inverse_in_flight(pp, m, schedule)
+
+
+def _inverse_in_flight(pp: int, m: int, schedule: str) -> float | None:
+    """Σ_c 1 / in-flight(c) over the schedule's chunks; None where a chunk keeps no micro-batch."""
     v = INTERLEAVE if schedule == "interleaved_1f1b" else 1
     counts = [chunk_in_flight(schedule, pp, m, c, v) for c in range(pp * v)]
-    return prof.activation_floor(m, k) - budget * sum(1.0 / c for c in counts)
+    return None if min(counts) <= 0 else sum(1.0 / c for c in counts)
 
 
 def _per_microbatch(pp: int, m: int, schedule: str) -> float:

@@ -298,11 +298,11 @@ class Profiler:
         line up."""
         args = (m, dp, tp, budget, strategy, act_weight, step_weight)
         target, sol = self.problem(m, dp, tp, strategy), self.solution(*args)
-        if depth.depth_of(target) is not None:
-            target = self.problem(m, dp, tp, strategy, full=True)
+        if depth.depth_of(target) is not None:   # the shallow graph's plan, on the full graph
+            shallow, target = target, self.problem(m, dp, tp, strategy, full=True)
             view = self.weighted(m, dp, tp, strategy, act_weight, step_weight, full=True)
             view.cg.memory_budget = budget
-            choice = depth.full_choice(self.problem(m, dp, tp, strategy), target, sol.choice)
+            choice = depth.full_choice(shallow, target, sol.choice)
             if choice is None:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
