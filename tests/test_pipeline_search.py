@@ -16,7 +16,14 @@ from autopar.capture.trace import capture
 from autopar.costmodel.hardware import LinkSpec, get_hardware
 from autopar.errors import InfeasiblePlanError
 from autopar.pipeline.layer_profile import POST, PRE, layer_costs
-from autopar.pipeline.search import microbatch_counts, search, split_inputs, state_floor, to_plan
+from autopar.pipeline.search import (
+    candidate_jobs,
+    microbatch_counts,
+    search,
+    split_inputs,
+    state_floor,
+    to_plan,
+)
 from autopar.pipeline.stages import partition
 from autopar.planning import assemble
 from autopar.planning.problem import ProblemBuilder
@@ -238,6 +245,43 @@ def test_pruned_search_finds_the_exhaustive_best_and_runners_up():
             assert forest <= lp * (1 + 1e-6) and lp <= c.step_time * (1 + 1e-9)
             two_d.append((forest, lp, c.step_time))
     assert two_d and any(lp > forest * 1.01 for forest, lp, _ in two_d)   # the LP adds communication
+
+
+def test_the_default_search_leaves_out_gpipe_where_1f1b_dominates_it():
+    """GPipe and 1F1B step by the same formula and a 1F1B stage keeps no more micro-batches in flight
+    (`search.dominated_by_1f1b`): priced side by side, 1F1B fits wherever GPipe does and is never slower,
+    and under a tight budget it fits where GPipe does not. So the default search (`keep_dominated=False`)
+    lists GPipe only where 1F1B is not searched or cannot run (torch's Schedule1F1B needs m >= pp)."""
+    from autopar.pipeline.search import Profiler
+    case = models.meta_gpt(n_layer=4, n_embd=64, n_head=4, batch=16, seq=128)
+    mesh = autopar.Mesh((8,), hardware=_slow_inter_node(4), devices_per_node=4)
+    prof = Profiler(case.model, case.example_inputs, mesh.hardware, 4)
+    only_1f1b = 0
+    for budget in ("80GB", "100MB"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            every = search(case.model, case.example_inputs, mesh=mesh, memory_budget=budget, profiler=prof,
+                           prune=False, num_stages=[2, 4], num_microbatches=[4, 8])
+        by = {(c.pp, c.dp, c.tp, c.num_microbatches, c.schedule): c for c in every.candidates}
+        pairs = [(c, by[key[:4] + ("1f1b",)]) for key, c in by.items() if key[4] == "gpipe"]
+        assert len(pairs) >= 4
+        for gpipe, one in pairs:
+            assert one.feasible or not gpipe.feasible, (gpipe, one)
+            if gpipe.feasible:
+                assert one.step_time <= gpipe.step_time * (1 + 1e-9), (gpipe, one)
+        only_1f1b += sum(one.feasible and not gpipe.feasible for gpipe, one in pairs)
+    assert only_1f1b > 0   # the tight budget: 1F1B's fewer micro-batches in flight fit where GPipe's do not
+    schedules = ("gpipe", "1f1b", "interleaved_1f1b")
+    kept = candidate_jobs(prof, mesh, 16, schedules)
+    lean = candidate_jobs(prof, mesh, 16, schedules, keep_dominated=False)
+    assert [j[:4] for j in kept] == [j[:4] for j in lean]
+    assert all("gpipe" in j[4] for j in kept if j[0] > 1) and all("gpipe" not in j[4] for j in lean)
+    assert all(j[4] == ("1f1b", "interleaved_1f1b") for j in lean if j[0] > 1)
+    # fewer micro-batches than stages (no 1F1B run), or no 1F1B searched: GPipe stays
+    assert all("gpipe" in j[4] for j in candidate_jobs(prof, mesh, 16, schedules, num_microbatches=1,
+                                                       keep_dominated=False) if j[0] > 1)
+    assert all(j[4] == ("gpipe",) for j in candidate_jobs(prof, mesh, 16, ("gpipe",), keep_dominated=False)
+               if j[0] > 1)
 
 
 def test_profiler_graphs_and_problems_equal_a_plain_capture_and_build():

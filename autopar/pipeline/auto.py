@@ -15,7 +15,8 @@ One capture of the whole batch (under the mixed-precision policy, with `example_
      plan found (`spmd.PlanCutoff`); else the plan's table says so, with that bound. Where that plan
      fits, nothing waits.
   2. pp >= 2: the pipeline candidates of `autopar.pipeline.search` (pp x dp x tp with tp inside a
-     node, micro-batch counts, the runtime's schedules), and gradient accumulation (pp = 1 with m = 2 or
+     node, micro-batch counts, the runtime's schedules; GPipe only where 1F1B of the same candidate is
+     not searched, which no GPipe plan beats: `search.dominated_by_1f1b`), and gradient accumulation (pp = 1 with m = 2 or
      4 micro-batches on each dp x tp sub-mesh: one stage, the micro-batches one after another, their
      gradients reduced once per step; activations of one micro-batch held, no bubble; the pipelined
      runtime runs it on a mesh whose "pp" axis has one device), by branch and bound with the fastest SPMD
@@ -180,8 +181,9 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
         with timer("search"):   # the bounds' one-device problem of the whole batch (unit count included)
             # pp = 1 with m > 1 is gradient accumulation (one stage, the micro-batches one after another:
             # activations of one micro-batch held); pp = 1, m = 1 is the SPMD plan planned above
+            # GPipe only where 1F1B of the same candidate is not searched (`search.dominated_by_1f1b`)
             jobs = [job for job in candidate_jobs(prof, mesh, batch_size(example_inputs), schedules, num_microbatches,
-                                                  list(range(1, mesh.size + 1)))
+                                                  list(range(1, mesh.size + 1)), keep_dominated=False)
                     if job[0] > 1 or job[3] > 1]
             least = min((step_lower_bound(*prof.seconds_bound(m, dp * tp), pp, m, s, INTERLEAVE)
                          for pp, dp, tp, m, names in jobs if pp > 1 for s in names), default=float("inf"))
