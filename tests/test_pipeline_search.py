@@ -495,6 +495,36 @@ def test_a_fast_search_solves_no_memory_rows_for_a_candidate_no_faster_than_the_
     assert price(_TradeOffProfiler(plans, 8), 2, 1, 1, 4, ("1f1b",), 20e9, cutoff=free / SKIP_MARGIN * 1.01) == exact
 
 
+def test_the_lp_bound_of_a_recompute_only_candidate_adds_its_least_rerun():
+    """The fast search bounds a 2-D group's candidates by the LP relaxation of its layer quotient
+    (`Profiler.lp_bound`, over tiled plans); a candidate only recompute can fit runs a tiled plan's seconds
+    plus the re-run of the layers it recomputes, at least `Profiler.rerun_seconds_bound` of its excess, so
+    `candidates.branch_and_bound` adds that to the LP. The sum stays below every such candidate's priced step
+    (a 4-layer Llama, pp2 x dp2 x tp2 under 12 MB: only recompute fits)."""
+    from autopar.pipeline.candidates import _excess, _needs_recompute
+    from autopar.pipeline.search import Profiler
+    from autopar.pipeline.stages import INTERLEAVE, step_lower_bound
+    case = models.tiny_llama(batch=16, seq=256, n_layer=4)
+    mesh = autopar.Mesh((8,), hardware="h100", devices_per_node=4)
+    prof = Profiler(case.model, case.args, mesh.hardware, 4, example_kwargs=case.kwargs)
+    budget = 12e6
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        every = search(case.model, case.args, mesh=mesh, memory_budget=budget, profiler=prof, prune=False,
+                       accumulate=False, meshes=[(2, 2, 2)], num_microbatches=[2, 4])
+    reruns = []
+    for c in every.candidates:
+        pp, k, m, s = c.pp, c.dp * c.tp, c.num_microbatches, c.schedule
+        if not (c.feasible and _needs_recompute(prof, pp, k, m, s, budget)):
+            continue
+        f = step_lower_bound(1.0, 0.0, pp, m, s, INTERLEAVE)
+        rerun = prof.rerun_seconds_bound(m, k, _excess(prof, pp, k, m, s, budget))
+        lp = prof.lp_bound(m, c.dp, c.tp, None, 1 / (pp * f))
+        assert c.recompute and rerun >= 0 and f * (lp + rerun) <= c.step_time * (1 + 1e-9), c
+        reruns.append(rerun)
+    assert reruns and max(reruns) > 0
+
+
 def test_a_candidate_only_recompute_can_fit_is_bounded_with_its_rerun():
     """`candidates._needs_recompute`: where one micro-batch's saved activations (at least the whole batch's on
     one device over m k) exceed the budget on the fullest device whatever the split, only full recompute can

@@ -49,7 +49,7 @@ fewer layers than all): on Llama-3.1-405B x 2,048, where every candidate needs r
 without any re-run ignored a third of the work and pruned almost nothing. The fast search uses instead, on
 2-D sub-meshes, where the SPMD solve is a MIP, the LP relaxation of the group's layer quotient
 (`autopar.planning.lp_bound`, one LP per group, weighted for the least per-step ratio 1 / (f * pp) of
-its live candidates), a bound over tiled plans. The forest bound leaves out most communication: on
+its live candidates), a bound over tiled plans, to which a recompute-only candidate adds its least re-run. The forest bound leaves out most communication: on
 Llama-3-70B x 64 H100s (bf16) it stayed at 0.5-0.9 of the LP bound, so it pruned none of the seven
 2-D groups whose budget-free MIPs took 22-58 CPU s each; the LP bound (now 1.5-2.1 CPU s each) was
 1.13-2.2x the best step there, except one (1.0x) that is priced.
@@ -127,7 +127,9 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
     `fast` (the default search's "fast" mode): on 2-D sub-meshes the LP relaxation of the group's layer
     quotient instead of the forest (`Profiler.lp_bound`: over tiled plans, which the budget-free solve
     returns; a memory row's full-graph fallback may not be tiled; on Llama-3-70B x 64 the forests, ~20
-    CPU s, skipped no candidate the LP kept), and `price` solves no memory rows for a
+    CPU s, skipped no candidate the LP kept), plus, for a candidate only recompute can fit, the least
+    re-run seconds its first bound charges (its plan's per-micro-batch seconds are a tiled plan's and the
+    re-run of the layers it recomputes), and `price` solves no memory rows for a
     candidate whose budget-free plan splits SKIP_MARGIN times slower than the best found or more; and
     gradient accumulation (pp = 1, m > 1) is priced by its budget-free plan alone in bound order, and
     under its memory rows only after every pipeline group, under their cutoff.
@@ -135,6 +137,7 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
     lp_pruned (candidates the LP bound skipped) and rows_skipped. `recompute=False`: no candidate is
     priced with recompute (`price`)."""
     groups: dict[tuple, list[tuple]] = {}
+    rerun_of: dict[tuple, float] = {}   # the least re-run seconds per micro-batch of a recompute-only candidate
     for pp, dp, tp, m, names in jobs:
         ops, step = prof.seconds_bound(m, dp * tp)
         for s in names:
@@ -143,7 +146,8 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
             bound = step_lower_bound(ops, step, pp, m, s, INTERLEAVE)
             if recompute and strategy is None and pp > 1 and _needs_recompute(prof, pp, dp * tp, m, s, budget):
                 # only recompute can make it fit (`price`): at least what freeing the excess re-runs
-                rerun = prof.rerun_seconds_bound(m, dp * tp, _excess(prof, pp, dp * tp, m, s, budget))
+                excess = _excess(prof, pp, dp * tp, m, s, budget)
+                rerun = rerun_of[pp, dp, tp, m, s] = prof.rerun_seconds_bound(m, dp * tp, excess)
                 bound = step_lower_bound(ops + rerun, step, pp, m, s, INTERLEAVE)
             groups.setdefault((m, *prof._inner(dp, tp, strategy)), []).append((bound, pp, dp, tp, m, s))
     found: list[Candidate] = []
@@ -176,7 +180,9 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
                 if ratio is None:   # later candidates are live under a lower cutoff: the least ratio still holds
                     ratio = min(_per_step(p, mm, x) / _per_microbatch(p, mm, x) for b, p, _, _, mm, x in group
                                 if b <= cutoff)
-                if _per_microbatch(pp, m, s) * prof.lp_bound(m, dp, tp, strategy, ratio) > cutoff:
+                # a recompute-only candidate's plan runs a tiled plan's seconds and its re-run on top
+                lp = prof.lp_bound(m, dp, tp, strategy, ratio) + rerun_of.get((pp, dp, tp, m, s), 0.0)
+                if _per_microbatch(pp, m, s) * lp > cutoff:
                     lp_pruned += 1
                     continue
             free_only = fast and pp == 1 and strategy is None and not last
