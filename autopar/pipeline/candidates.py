@@ -49,10 +49,11 @@ fewer layers than all): on Llama-3.1-405B x 2,048, where every candidate needs r
 without any re-run ignored a third of the work and pruned almost nothing. The fast search uses instead, on
 2-D sub-meshes, where the SPMD solve is a MIP, the LP relaxation of the group's layer quotient
 (`autopar.planning.lp_bound`, one LP per group, weighted for the least per-step ratio 1 / (f * pp) of
-its live candidates), a bound over tiled plans, to which a recompute-only candidate adds its least re-run. The forest bound leaves out most communication: on
-Llama-3-70B x 64 H100s (bf16) it stayed at 0.5-0.9 of the LP bound, so it pruned none of the seven
-2-D groups whose budget-free MIPs took 22-58 CPU s each; the LP bound (now 1.5-2.1 CPU s each) was
-1.13-2.2x the best step there, except one (1.0x) that is priced.
+its live candidates), a bound over tiled plans, to which a recompute-only candidate adds its least
+re-run. The forest bound leaves out most communication: on Llama-3-70B x 64 H100s (bf16) it stayed at
+0.5-0.9 of the LP bound, so it pruned none of the seven 2-D groups whose budget-free MIPs took 22-58 CPU s
+each; the LP bound (now 1.5-2.1 CPU s each) was 1.13-2.2x the best step there, except one (1.0x) that is
+priced.
 """
 from __future__ import annotations
 
