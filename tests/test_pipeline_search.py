@@ -495,6 +495,15 @@ def test_a_fast_search_solves_no_memory_rows_for_a_candidate_no_faster_than_the_
     assert price(_TradeOffProfiler(plans, 8), 2, 1, 1, 4, ("1f1b",), 20e9, cutoff=free / SKIP_MARGIN * 1.01) == exact
 
 
+def _llama_under_12mb(devices: int):
+    """(case, mesh, Profiler, budget): a 4-layer Llama (batch 16 x 256) on `devices` H100s, 4 per node, under
+    12 MB per device, where a pipeline fits only with recompute."""
+    from autopar.pipeline.search import Profiler
+    case = models.tiny_llama(batch=16, seq=256, n_layer=4)
+    mesh = autopar.Mesh((devices,), hardware="h100", devices_per_node=4)
+    return case, mesh, Profiler(case.model, case.args, mesh.hardware, 4, example_kwargs=case.kwargs), 12e6
+
+
 def test_the_lp_bound_of_a_recompute_only_candidate_adds_its_least_rerun():
     """The fast search bounds a 2-D group's candidates by the LP relaxation of its layer quotient
     (`Profiler.lp_bound`, over tiled plans); a candidate only recompute can fit runs a tiled plan's seconds
@@ -502,12 +511,8 @@ def test_the_lp_bound_of_a_recompute_only_candidate_adds_its_least_rerun():
     `candidates.branch_and_bound` adds that to the LP. The sum stays below every such candidate's priced step
     (a 4-layer Llama, pp2 x dp2 x tp2 under 12 MB: only recompute fits)."""
     from autopar.pipeline.candidates import _excess, _needs_recompute
-    from autopar.pipeline.search import Profiler
     from autopar.pipeline.stages import INTERLEAVE, step_lower_bound
-    case = models.tiny_llama(batch=16, seq=256, n_layer=4)
-    mesh = autopar.Mesh((8,), hardware="h100", devices_per_node=4)
-    prof = Profiler(case.model, case.args, mesh.hardware, 4, example_kwargs=case.kwargs)
-    budget = 12e6
+    case, mesh, prof, budget = _llama_under_12mb(8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         every = search(case.model, case.args, mesh=mesh, memory_budget=budget, profiler=prof, prune=False,
@@ -534,12 +539,8 @@ def test_a_candidate_only_recompute_can_fit_is_bounded_with_its_rerun():
     the stronger bound is at most full recompute's and below the step priced with recompute, and the
     pruned search finds the best of all."""
     from autopar.pipeline.candidates import _excess, _needs_recompute, price
-    from autopar.pipeline.search import Profiler
     from autopar.pipeline.stages import INTERLEAVE, step_lower_bound
-    case = models.tiny_llama(batch=16, seq=256, n_layer=4)
-    mesh = autopar.Mesh((4,), hardware="h100", devices_per_node=4)
-    prof = Profiler(case.model, case.args, mesh.hardware, 4, example_kwargs=case.kwargs)
-    budget = 12e6
+    case, mesh, prof, budget = _llama_under_12mb(4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         [free] = price(prof, 2, 2, 1, 2, ("1f1b",), None)

@@ -19,8 +19,8 @@ One capture of the whole batch (under the mixed-precision policy, with `example_
      not searched, which no GPipe plan beats: `search.dominated_by_1f1b`), and gradient accumulation
      (pp = 1 with m = 2 or 4 micro-batches on each dp x tp sub-mesh: one stage, the micro-batches one
      after another, their gradients reduced once per step; activations of one micro-batch held, no
-     bubble; the pipelined runtime runs it on a mesh whose "pp" axis has one device), by branch and bound with the fastest SPMD
-     plan's step as the incumbent: a candidate is priced (its micro-batch graph captured, its stage
+     bubble; the pipelined runtime runs it on a mesh whose "pp" axis has one device), by branch and
+     bound with the fastest SPMD plan's step as the incumbent: a candidate is priced (its micro-batch graph captured, its stage
      SPMD problem solved) only if a lower bound of its step is below the best found so far. The bound
      needs no further capture (`Profiler.one_device_seconds`: the whole batch's one-device seconds
      over m), so a model that SPMD already serves at near-linear scaling costs nothing more.
