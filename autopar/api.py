@@ -50,7 +50,7 @@ def plan(model: nn.Module, example_inputs, *, mesh: Mesh | tuple, strategy: Stra
     data x tensor layouts of the same devices that could beat them (`autopar.pipeline.auto`); the plan's
     mesh is the layout chosen ("pp" first when pipelined).
     `num_stages=p` (or a mesh whose first axis is "pp") forces a pipeline of p stages, run with
-    `schedule` ("gpipe", "1f1b", "interleaved_1f1b" with `virtual_stages` chunks per device) over
+    `schedule` ("gpipe", "1f1b", "interleaved_1f1b" with `virtual_stages` chunks per device, "zero_bubble") over
     `num_microbatches`; `num_stages=None` or 1 plans without stages on `mesh` as given.
     `search="fast"` prices pipelines only when the SPMD plan of the devices as one axis does not fit or
     is over 4x a pipeline's step bound (else planning stays about as fast as SPMD planning); `search="exact"` always runs the branch and bound

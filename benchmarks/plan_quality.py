@@ -22,7 +22,7 @@ recompute="all": `recompute.solve_recompute` then `stages.partition`):
   tp+dp                     tensor parallel inside a node (tp 2, 4 or 8) x data parallel, m in {1, 2, 4}
   titan, titan+ac           torchtitan's grid: FSDP (ZeRO-3) x TP (1, 2, 4, 8, inside a node) x PP (every
                             stage count dividing N, 1 included), every schedule the runtime has (GPipe,
-                            1F1B, interleaved 1F1B; autopar has no zero-bubble / V runtime), m in {pp, 2pp,
+                            1F1B, interleaved 1F1B, zero bubble (ZB-H1); no V schedule), m in {pp, 2pp,
                             4pp} (pp = 1: {1, 2, 4}), without and with activation checkpointing
   megatron+ac               Megatron-LM: TP 8 inside the node, PP across nodes (every stage count), DP
                             outside, 1F1B or interleaved 1F1B, m in {pp, 2pp, 4pp}, full recompute
@@ -44,7 +44,7 @@ SMALL = ("gpt2-124m", "gpt2-350m", "gpt2-1.5b", "llama-7b", "llama-13b", "llama-
 LARGE = [("llama-7b", 64, "bf16"), ("llama-13b", 256, "bf16"), ("llama-70b/4", 512, "bf16"),
          ("llama-70b/4", 1024, "bf16"), ("llama-405b/2", 1024, "bf16"), ("llama-405b/2", 2048, "bf16")]
 FULL_DEPTH = [("llama-70b", 512, "bf16"), ("llama-70b", 1024, "bf16"), ("llama-405b", 2048, "bf16")]
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")   # autopar.pipeline.planning.SCHEDULES: what the runtime runs
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")   # autopar.pipeline.planning.SCHEDULES: the runtime's
 # auto within this relative margin of a recipe counts as a tie (<=): the SPMD solver minimises the
 # micro-batch graph's seconds, not the split's step time, so among plans equal to ~1e-6 it may pick one
 # whose split is microseconds slower (Llama 13B x 8 at 40 GB: 12.689222 s against the recipe's 12.689207 s)

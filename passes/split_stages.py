@@ -111,6 +111,13 @@ class StageProgram:
     gather: fx.GraphModule | None = None   # once per step: the ZeRO-1/2 gathered copies (module docstring)
     gather_args: list = field(default_factory=list)
     gathered: list = field(default_factory=list)   # node names, in the order `gather` returns them
+    # zero-bubble schedules (passes/split_weight_grads.py): the backward as B, returning (*input grads,
+    # *carried), and W, reading its arguments then the carried values and returning the parameter grads
+    backward_input: fx.GraphModule | None = None
+    backward_weight: fx.GraphModule | None = None
+    backward_input_args: list = field(default_factory=list)
+    backward_weight_args: list = field(default_factory=list)
+    num_carried: int = 0
 
     @property
     def params(self) -> list[str]:

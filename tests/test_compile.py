@@ -59,13 +59,15 @@ PP_DP = {"pp2 x dp2 zero2": dict(mesh=((2, 2), ("pp", "dp")), strategy={"dp": "z
 SPMD = {"dp": dict(strategy="dp"), "zero3": dict(strategy="zero3"), "tp": dict(strategy="tp"),
         "auto": dict(strategy="auto")}
 PP2 = {"pp2": dict(num_stages=2, schedule="1f1b", num_microbatches=2)}
+# zero bubble: each stage's backward compiled as two programs, B (input gradients) and W (weight gradients)
+PP2_ZB = {"pp2 zero bubble": dict(num_stages=2, schedule="zero_bubble", num_microbatches=2)}
 # The world-2 cases, all in one spawn (`world2`): name -> (model, configs). Llama's SPMD programs on one decoder
 # layer (its ops, rotary embedding and grouped-query attention, are all in one layer; Inductor's codegen time grows
 # with the layers, and per-layer gathers are the GPT's to show); its 2-stage pipeline on two, so that the stage cut
 # falls between decoder layers (the rotary tables and the mask cross it, as in a deeper model).
 CASES = {
     "gpt": (lambda: models.tiny_gpt(batch=4, seq=16),
-            dict(SPMD, **PP2, **{"dp bf16": dict(strategy="dp", mixed_precision="bf16"),
+            dict(SPMD, **PP2, **PP2_ZB, **{"dp bf16": dict(strategy="dp", mixed_precision="bf16"),
                                  "zero3 layers": dict(strategy="zero3", overlap="layers")})),
     "llama": (lambda: models.tiny_llama(batch=4, seq=16, n_layer=1), SPMD),
     "llama pp2": (lambda: models.tiny_llama(batch=4, seq=16), PP2),
@@ -197,7 +199,8 @@ def _check(results, configs) -> None:
 
 def _check_one_graph(results, configs) -> None:
     """The whole step is Inductor's code: one Inductor graph per program, compiled once; per step one SPMD
-    program run (a pipeline stage: its gather once, forward and backward once per micro-batch); no Dynamo."""
+    program run (a pipeline stage: its gather once, forward and backward once per micro-batch, zero bubble's B
+    and W too); no Dynamo."""
     for res in results:
         for label in configs:
             r = res[label]

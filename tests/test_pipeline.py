@@ -28,6 +28,7 @@ def train_pipelined(rank, world, model, batches, steps, kws):
         example = tuple(args) + ((kwargs,) if kwargs else ())
         pmodel = autoparallelize(copy.deepcopy(model), example, verify=True, baselines=False, **kw)
         losses, _ = train_steps(pmodel, batches, steps)
+        runs = dict(sum((st.runs for st in pmodel._stages), Counter()))   # the last step's programs
         args, kwargs = batches[0]
         progs = [st.program for st in pmodel._stages]   # this rank's chunks
         emitted = [(which, c["kind"], c["phase"], c["reason"], c["source"]) for prog in progs
@@ -36,14 +37,15 @@ def train_pipelined(rank, world, model, batches, steps, kws):
         deferred = sorted({(d["param"], d["kind"], d["axis"], d["phase"]) for prog in progs for d in prog.deferred})
         out.append({"losses": losses, "state": pmodel.full_state_dict(), "plan": pmodel.plan.to_json(),
                     "eval": pmodel(*args, **kwargs).item(), "owned": sorted(n for n, _ in pmodel.named_parameters()),
-                    "emitted": emitted, "deferred": deferred})
+                    "emitted": emitted, "deferred": deferred, "runs": runs})
     return out
 
 
 # ---------------------------------------------------------------- one process: the split and the plan
 
-def _run_programs(programs, case, captured):
-    """Run the stage programs in pipeline order on one process: (loss, summed parameter gradients)."""
+def _run_programs(programs, case, captured, split_backward=False):
+    """Run the stage programs in pipeline order on one process: (loss, summed parameter gradients);
+    `split_backward`: each backward as its B then its W program (passes/split_weight_grads.py)."""
     params, buffers = dict(case.model.named_parameters()), dict(case.model.named_buffers())
     flat_inputs = list(case.args) + [v for v in case.kwargs.values() if isinstance(v, torch.Tensor)]
     env = {("input", n.name): x for n, x in zip(captured.placeholders("input"), flat_inputs)}
@@ -58,7 +60,13 @@ def _run_programs(programs, case, captured):
     loss, grads, env = out[0], {}, {}
     for prog in reversed(programs):
         env.update({("saved", i): v for i, v in enumerate(saved[prog.index])})
-        out = prog.backward(*[state(k, env) for k in prog.backward_args])
+        if split_backward:
+            b = prog.backward_input(*[state(k, env) for k in prog.backward_input_args])
+            carried = list(b[len(b) - prog.num_carried:])
+            w = prog.backward_weight(*[state(k, env) for k in prog.backward_weight_args], *carried)
+            out = list(w) + list(b[:len(b) - prog.num_carried])
+        else:
+            out = prog.backward(*[state(k, env) for k in prog.backward_args])
         for name, g in zip(prog.grad_params, out):
             grads[name] = grads.get(name, 0) + g   # a shared parameter: summed across its stages
         env = {("grad", n): g for n, g in zip(prog.input_grads, out[len(prog.grad_params):])}
@@ -68,10 +76,12 @@ def _run_programs(programs, case, captured):
 @pytest.mark.parametrize("name,cut", [("gpt", 1), ("gpt", 3), ("llama", 2)])
 def test_split_stages_computes_the_joint_graph(name, cut):
     """Forward programs in stage order, then backward programs in reverse, give the joint graph's loss and
-    gradients; the tied wte/lm_head weight lives on both stages of the GPT."""
+    gradients, and so do the backward programs cut into B and W (zero bubble); the tied wte/lm_head weight
+    lives on both stages of the GPT."""
     from autopar.capture.canonicalize import canonicalize
     from autopar.capture.trace import capture
     from autopar.passes.split_stages import graph_units, split_stages
+    from autopar.passes.split_weight_grads import with_weight_split
     case = models.tiny_gpt(batch=2, seq=8) if name == "gpt" else models.tiny_llama(batch=2, seq=8)
     captured = capture(case.model, case.args, example_kwargs=case.kwargs)
     canonicalize(captured.gm)
@@ -82,15 +92,56 @@ def test_split_stages_computes_the_joint_graph(name, cut):
         [v for v in case.kwargs.values() if isinstance(v, torch.Tensor)]
     with torch.no_grad():
         want = captured.gm(*flat)
-    loss, grads = _run_programs(programs, case, captured)
-    torch.testing.assert_close(loss, want[0])
-    assert set(grads) == set(captured.grad_param_names)
-    for n, g in zip(captured.grad_param_names, want[1:]):
-        torch.testing.assert_close(grads[n], g, msg=lambda m: f"{n}: {m}")
+    for split_backward in (False, True):   # each backward whole, then as B and W (zero bubble)
+        if split_backward:
+            programs = [with_weight_split(p) for p in programs]
+        loss, grads = _run_programs(programs, case, captured, split_backward)
+        torch.testing.assert_close(loss, want[0])
+        assert set(grads) == set(captured.grad_param_names)
+        for n, g in zip(captured.grad_param_names, want[1:]):
+            torch.testing.assert_close(grads[n], g, msg=lambda m: f"{n}: {m}")
+    # B holds the input gradients' ops only (stage 0 has none: its B is empty), W the rest, none twice
+    ops = [[n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+           for p in programs for gm in (p.backward, p.backward_input, p.backward_weight)]
+    for whole, b, w in zip(ops[0::3], ops[1::3], ops[2::3]):
+        assert not set(b) & set(w) and len(b) + len(w) <= len(whole) and w
+    assert not ops[1] and ops[4] and programs[1].num_carried > 0
     assert programs[0].outputs == programs[1].inputs and programs[1].input_grads
     shared = [p.shared_params for p in programs]
     assert shared == ([["transformer.wte.weight"]] * 2 if name == "gpt" else [[], []])
     assert not set(programs[0].params) & set(programs[1].params) - set(shared[0])
+
+
+def test_layer_costs_weight_is_the_parameter_gradients_part_of_backward():
+    """LayerCost.weight (zero bubble's W): of each unit's backward, the ops whose values reach no earlier
+    unit. Every block's weight-gradient matmuls are there and its input-gradient ones are not (0 < weight <
+    backward); the tied lm_head's contribution to wte's gradient is W of <post>; <pre> (the embedding's
+    backward: parameter gradients only) is all W."""
+    from autopar.capture.canonicalize import canonicalize
+    from autopar.capture.trace import capture
+    from autopar.graph import PHASE
+    from autopar.pipeline.layer_profile import _weight_only, layer_costs, unit_names
+    from autopar.planning import spmd as planner
+    from autopar.planning.problem import ProblemBuilder
+    from autopar.sharding import recipes
+    case = models.tiny_gpt(batch=2, seq=8)
+    cap = capture(case.model, case.args)
+    canonicalize(cap.gm)
+    sub = autopar.Mesh((1,), axis_names=("dp",))
+    prob = ProblemBuilder(cap, sub).build()
+    sol, _ = planner.solve_requested(prob, cap, sub, recipes.normalize("dp", sub), {}, 10)
+    units = layer_costs(prob, sol.choice)
+    blocks = [u for u in units if u.name.startswith("transformer.h.")]
+    assert blocks and all(0 < u.weight < u.backward for u in blocks)
+    assert units[0].name == "<pre>" and units[0].weight == pytest.approx(units[0].backward)
+    assert units[-1].name == "<post>" and 0 < units[-1].weight < units[-1].backward
+    # a block's backward matmuls: one input gradient (B) and one weight gradient (W) per linear layer
+    names, unit = unit_names(prob)
+    w = _weight_only(prob, unit)
+    for b in range(len(blocks)):
+        mm = [w[i] for i, n in enumerate(prob.nodes) if n.target is torch.ops.aten.mm.default
+              and n.meta.get(PHASE) == "backward" and names[unit[i]] == f"transformer.h.{b}"]
+        assert len(mm) == 8 and sum(mm) == 4, (b, mm)   # c_attn, c_proj, c_fc, mlp c_proj
 
 
 def test_layer_costs_count_gradient_all_reduces_once_and_reduce_scatters_per_microbatch():
@@ -185,6 +236,9 @@ def test_pipelined_plan_refuses_bad_requests():
     with pytest.raises(InputError, match="virtual_stages=2 applies to schedule='interleaved_1f1b' only"):
         autopar.plan(case.model, case.args, mesh=autopar.Mesh((2,)), num_stages=2, schedule="1f1b",
                      virtual_stages=2)
+    with pytest.raises(InputError, match="zero_bubble.*2 rounds for 5 micro-batches.*multiple of 2"):
+        autopar.plan(case.model, case.args, mesh=autopar.Mesh((2,)), num_stages=2, schedule="zero_bubble",
+                     num_microbatches=5)
     with pytest.raises(MeshError, match="first axis"):
         autopar.plan(case.model, case.args, mesh=autopar.Mesh((1, 2), axis_names=("dp", "pp")))
     with pytest.raises(MeshError, match="do not split"):
@@ -246,6 +300,23 @@ def test_pp2_matches_single_process(name):
         assert {"transformer.h.0", "transformer.h.2"} <= {u for st in plan.stages[0::2] for u in st.modules}
 
 
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_zero_bubble_matches_single_process(name):
+    """schedule="zero_bubble" (torch's ScheduleInterleavedZeroBubble, ZB-H1): each stage's backward runs as B
+    (input gradients) and, later, W (parameter gradients; passes/split_weight_grads.py). pp=2 at world 2, 2 and
+    4 micro-batches: losses of 3 AdamW steps, every parameter and a forward-only evaluation equal one process,
+    and every micro-batch ran one B and one W on each stage, never the whole backward."""
+    case = models.tiny_gpt(n_layer=4, batch=4, seq=16) if name == "gpt" else models.tiny_llama(batch=4, seq=16)
+    batches = models.zoo_batches(case, STEPS)
+    kws = [dict(num_stages=2, schedule="zero_bubble", num_microbatches=m) for m in (2, 4)]
+    results = run_distributed(train_pipelined, 2, case.model, batches, STEPS, kws, timeout=600)
+    _compare(results, case, batches, kws, 2)
+    for rank in range(2):
+        for i, kw in enumerate(kws):
+            m = kw["num_microbatches"]
+            assert results[rank][i]["runs"] == {"forward": m, "backward_input": m, "backward_weight": m}, (rank, kw)
+
+
 def accumulate_pipelined(rank, world, model, batches):
     """Two train_step calls with no zero_grad between them: the losses and the gradients left."""
     from autopar import autoparallelize
@@ -293,6 +364,23 @@ def test_pp2_with_dp_and_tp_matches_single_process():
     for i, kw in enumerate(kws):
         _check_deferred_reductions(autopar.Plan.from_json(results[0][i]["plan"]), [results[0][i], results[2][i]],
                                    f"world=4 {kw}")
+
+
+def test_zero_bubble_with_zero3_and_tp_matches_single_process():
+    """World 4, schedule="zero_bubble": pp=2 x dp=2 with ZeRO-3 inside the stages (each parameter gathered in
+    B and W where they read it, its gradient reduce-scattered in W) and pp=2 x tp=2 (the activation gradients'
+    all-reduces in B): equal one process, and W ran every micro-batch's parameter gradients."""
+    case = models.tiny_gpt(batch=8, seq=16)
+    batches = models.zoo_batches(case, STEPS)
+    kws = [dict(mesh=autopar.Mesh((2, 2), axis_names=("pp", "dp")), strategy="zero3", schedule="zero_bubble",
+                num_microbatches=4),
+           dict(mesh=autopar.Mesh((2, 2), axis_names=("pp", "tp")), strategy="tp", schedule="zero_bubble")]
+    results = run_distributed(train_pipelined, 4, case.model, batches, STEPS, kws, timeout=900)
+    _compare(results, case, batches, kws, 4)
+    for rank in range(4):
+        for i, kw in enumerate(kws):
+            m = kw.get("num_microbatches", 2)
+            assert results[rank][i]["runs"] == {"forward": m, "backward_input": m, "backward_weight": m}, (rank, kw)
 
 
 def _check_deferred_reductions(plan, ranks, label):

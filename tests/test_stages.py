@@ -2,6 +2,7 @@
 exact partition against brute force, and the splits it must find on uneven or memory-bound models."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -16,6 +17,7 @@ from autopar.pipeline.stages import (
     mesh_factorizations,
     partition,
     schedule_step_time,
+    step_lower_bound,
 )
 
 
@@ -239,3 +241,51 @@ def test_interleaved_split_fits_and_is_near_the_exhaustive_optimum():
         ratios.append(got.step_time / best)
     assert len(ratios) >= 50
     assert sum(r < 1 + 1e-9 for r in ratios) >= len(ratios) / 2 and sum(ratios) / len(ratios) < 1.03
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (4, 8), (8, 32)])
+def test_zero_bubble_step_is_zb_h1_when_balanced(p, m):
+    """torch's ScheduleInterleavedZeroBubble order, priced by `zero_bubble_step` (its dependency graph's
+    longest path): with F = B = W per stage, the ZB-H1 step of Qi et al., m(F + B + W) + (p - 1)(F + B - W),
+    against 1F1B's (m + p - 1)(F + B + W); the bubble formula says the same."""
+    step = schedule_step_time([1.0] * p, [2.0] * p, m, "zero_bubble", weight=[1.0] * p)
+    assert step == pytest.approx(3 * m + (p - 1))
+    assert schedule_step_time([1.0] * p, [2.0] * p, m, "1f1b") == pytest.approx(3 * (m + p - 1))
+    assert bubble_fraction(p, m, "zero_bubble") == pytest.approx((p - 1) / step)
+    # a stage keeps the activations of every forward whose W has not run: p of them at the peak
+    assert [in_flight("zero_bubble", p, m, k) for k in range(p)] == [min(m, p)] * p
+
+
+def test_zero_bubble_step_between_the_work_bound_and_1f1b():
+    """Uneven stages, random F / B / W and p2p: the zero-bubble step is never above 1F1B's formula for the
+    same stage times (W only leaves the backward chain) and never below `step_lower_bound` (the busiest
+    stage's own work), and without W (nothing to fill the bubble with) it is no faster than 1F1B's timeline."""
+    rng = random.Random(11)
+    for _ in range(60):
+        p, m = rng.randint(2, 6), rng.randint(1, 12)
+        fwd = [rng.uniform(0.5, 2.0) for _ in range(p)]
+        weight = [rng.uniform(0.0, 1.0) * f for f in fwd]
+        bwd = [w + rng.uniform(0.5, 2.0) * f for w, f in zip(weight, fwd)]
+        p2p = rng.choice([0.0, 0.2])
+        zb = schedule_step_time(fwd, bwd, m, "zero_bubble", p2p=p2p, weight=weight)
+        assert zb <= schedule_step_time(fwd, bwd, m, "1f1b", p2p=p2p) * (1 + 1e-9)
+        total = sum(fwd) + sum(bwd)
+        assert zb >= step_lower_bound(total, 0.0, p, m, "zero_bubble") * (1 - 1e-9)
+        assert schedule_step_time(fwd, bwd, m, "zero_bubble", p2p=p2p) >= simulate(fwd, bwd, m, "1f1b", p2p) - 1e-9
+
+
+def test_zero_bubble_partition_prices_its_split_by_the_order():
+    """partition(schedule="zero_bubble") returns a split whose step is the order's own price of its stages
+    (`schedule_step_time` with their forward, backward and weight seconds), no slower than the best 1F1B
+    split of the same layers when the layers have weight-gradient seconds to move."""
+    rng = random.Random(5)
+    for _ in range(20):
+        n, p, m = rng.randint(4, 9), rng.randint(2, 4), rng.randint(2, 8)
+        layers = [dataclasses.replace(x, weight=0.4 * x.backward) for x in _random_layers(rng, n)]
+        zb = partition(layers, p, m, "zero_bubble", p2p_time=lambda b: 0.0)
+        ends = list(zb.bounds[1:]) + [n]
+        stages = [layers[a:b] for a, b in zip(zb.bounds, ends)]
+        want = schedule_step_time([sum(x.forward for x in s) for s in stages], [sum(x.backward for x in s) for s in stages],
+                                  m, "zero_bubble", weight=[sum(x.weight for x in s) for s in stages])
+        assert zb.step_time == pytest.approx(want + max(sum(x.per_step for x in s) for s in stages))
+        assert zb.step_time <= partition(layers, p, m, "1f1b", p2p_time=lambda b: 0.0).step_time * (1 + 1e-9)

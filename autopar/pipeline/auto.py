@@ -15,7 +15,7 @@ One capture of the whole batch (under the mixed-precision policy, with `example_
      plan found (`spmd.PlanCutoff`); else the plan's table says so, with that bound. Where that plan
      fits, nothing waits.
   2. pp >= 2: the pipeline candidates of `autopar.pipeline.search` (pp x dp x tp with tp inside a
-     node, micro-batch counts, the runtime's schedules; GPipe only where 1F1B of the same candidate is
+     node, micro-batch counts, the runtime's schedules, zero bubble included; GPipe only where 1F1B of the same candidate is
      not searched, which no GPipe plan beats: `search.dominated_by_1f1b`), and gradient accumulation
      (pp = 1 with m = 2 or 4 micro-batches on each dp x tp sub-mesh: one stage, the micro-batches one
      after another, their gradients reduced once per step; activations of one micro-batch held, no
@@ -66,7 +66,7 @@ from autopar.mesh import Mesh
 from autopar.pipeline import planning as pipelined
 from autopar.pipeline import regrid
 from autopar.pipeline.candidates import Candidate, branch_and_bound
-from autopar.pipeline.search import Profiler, batch_size, candidate_jobs, state_floor
+from autopar.pipeline.search import DEFAULT_SCHEDULES, Profiler, batch_size, candidate_jobs, state_floor
 from autopar.pipeline.stages import INTERLEAVE, step_lower_bound
 from autopar.plan import Plan
 from autopar.planning import assemble, collector, spmd
@@ -177,7 +177,7 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     jobs: list[tuple] = []
     explored, walk = False, {}
     if pipelines:
-        schedules = (schedule,) if schedule else pipelined.SCHEDULES
+        schedules = (schedule,) if schedule else DEFAULT_SCHEDULES   # zero_bubble: forced only (docs/pipelines.md)
         with timer("search"):   # the bounds' one-device problem of the whole batch (unit count included)
             # pp = 1 with m > 1 is gradient accumulation (one stage, the micro-batches one after another:
             # activations of one micro-batch held); pp = 1, m = 1 is the SPMD plan planned above

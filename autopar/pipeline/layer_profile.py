@@ -6,6 +6,9 @@ non-pipeline axes, cut between units that cannot be split: everything before the
 final norm, head, loss). For the chosen strategy of every node this module sums, per unit:
     forward / backward   the node's compute + node-local collectives, plus the resharding on its
                          input edges, by the phase of the consuming node (per micro-batch)
+    weight               the part of backward that only parameter gradients need (zero-bubble's W:
+                         ops whose values never reach an earlier unit's backward, and ZeRO gradient
+                         reduce-scatters); the rest is B, the activation gradient's way back
     per_step             what runs once per step whatever the micro-batch count: the optimizer
                          update, ZeRO-1/2 parameter gathers (each stage's gather program, run once
                          before the schedule: passes/split_stages.py), gradient all-reduces (the
@@ -27,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import torch
 import torch.fx as fx
 
 from autopar.graph import PHASE, ROLE, layer_of, node_path, producer_of
@@ -107,9 +111,10 @@ def layer_costs(prob: CostProblem, choice: np.ndarray, captured=None, recompute:
     if the caller has it)."""
     names, unit = unit_names(prob)
     n = len(names)
-    fwd, bwd, step = np.zeros(n), np.zeros(n), np.zeros(n)
+    fwd, bwd, step, wgt = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
     state, act = np.zeros(n), np.zeros(n)
     extra_time, extra_act, extra_edge = _recompute_terms(prob, choice, recompute, expanded)
+    weight_only = _weight_only(prob, unit)
     for i, node in enumerate(prob.nodes):
         k, u = choice[i], unit[i]
         t = float(prob.compute[i][k] + prob.local_comm[i][k])
@@ -119,25 +124,55 @@ def layer_costs(prob: CostProblem, choice: np.ndarray, captured=None, recompute:
             fwd[u] += t
         else:
             bwd[u] += t
+            wgt[u] += t if weight_only[i] else 0.0
         bwd[u] += extra_time[i]   # a re-run forward op runs in backward
         state[u] += sum(float(prob.memory[i][c][k]) for c in STATE)
         act[u] += float(prob.memory[i]["activations"][k]) + extra_act[i]
     for j, (e, ce) in enumerate(zip(prob.edges, prob.cg.edges)):
         t, u = float(ce.time[choice[e.src], choice[e.dst]]), unit[e.dst]
         bwd[u] += extra_edge[j]
-        if e.kind == "grad":
+        if e.kind == "grad":   # a ZeRO gradient's reduce-scatter: with the parameter gradient (W)
             once = _all_reduce_seconds(prob, e, choice) * multiplicity(prob, e.dst)
             step[unit[e.src]] += once
             bwd[unit[e.dst]] += max(0.0, t - once)
+            wgt[unit[e.dst]] += max(0.0, t - once)
         elif prob.nodes[e.dst].meta.get(PHASE) == "forward":
             fwd[u] += t
         else:
             bwd[u] += t
+            wgt[u] += t if weight_only[e.dst] else 0.0
     boundary = _boundaries(prob, choice, unit, n)
     shared = _shared(prob, choice, unit)
     used = set(unit)
     return [LayerCost(names[u], float(fwd[u]), float(bwd[u]), float(state[u]), float(act[u]), float(boundary[u]),
-                      per_step=float(step[u]), shared=tuple(shared.get(u, ()))) for u in range(n) if u in used]
+                      per_step=float(step[u]), shared=tuple(shared.get(u, ())), weight=float(wgt[u]))
+            for u in range(n) if u in used]
+
+
+def _weight_only(prob: CostProblem, unit: list[int]) -> list[bool]:
+    """Per node: a backward op whose value never reaches an earlier unit's backward (it feeds parameter
+    gradients only: zero-bubble's W, passes/split_weight_grads.py); an op on the way of the activation
+    gradient to earlier units is B. A re-run forward op (recompute) counts as B. The sum of a tied
+    parameter's contributions from several units is no way back: each contribution stays in its own
+    stage's W (passes/split_stages.py), so a later unit's part (a tied lm_head's) is W there. Computed
+    once per problem."""
+    if "weight_only" not in prob.derived:
+        out = next((n for n in reversed(prob.nodes[0].graph.nodes) if n.op == "output"), None) if prob.nodes else None
+        summed = {n for n in (out.all_input_nodes if out is not None else ())
+                  if n.target is torch.ops.aten.add.Tensor}   # a parameter gradient summed from contributions
+        users: list[list[int]] = [[] for _ in prob.nodes]
+        for e in prob.edges:
+            if e.kind == "data" and prob.nodes[e.dst] not in summed:
+                users[e.src].append(e.dst)
+        reach = list(unit)   # the earliest unit a node's value reaches through backward ops
+        for i in range(len(prob.nodes) - 1, -1, -1):
+            for j in users[i]:
+                if prob.nodes[j].meta.get(PHASE) != "forward":
+                    reach[i] = min(reach[i], reach[j])
+        prob.derived["weight_only"] = tuple(
+            node.op != "placeholder" and node.meta.get(PHASE) != "forward" and reach[i] >= unit[i]
+            for i, node in enumerate(prob.nodes))
+    return list(prob.derived["weight_only"])
 
 
 def _shared(prob: CostProblem, choice: np.ndarray, unit: list[int]) -> dict[int, list[tuple]]:

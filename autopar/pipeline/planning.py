@@ -57,9 +57,10 @@ from autopar.planning.solver import evaluate
 from autopar.sharding import recipes
 
 PP = "pp"
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 DEFAULT_SCHEDULE = "1f1b"
 INTERLEAVED = "interleaved_1f1b"
+ZERO_BUBBLE = "zero_bubble"
 
 
 def pipeline_mesh(mesh: Mesh, num_stages: int | None) -> Mesh:
@@ -98,6 +99,12 @@ def schedule_options(num_stages, num_microbatches, schedule, virtual_stages=None
     if schedule != INTERLEAVED:
         if virtual_stages not in (None, 1):
             raise InputError(f"virtual_stages={virtual_stages!r} applies to schedule='{INTERLEAVED}' only")
+        rounds = max(1, m // num_stages)
+        if schedule == ZERO_BUBBLE and m % rounds:
+            raise InputError(f"schedule='{ZERO_BUBBLE}' runs rounds of equal size (torch's "
+                             f"ScheduleInterleavedZeroBubble: {rounds} rounds for {m} micro-batches on {num_stages} "
+                             f"stages) and num_microbatches={m} is not a multiple of {rounds}: pass a multiple of "
+                             f"{num_stages}")
         return m, schedule, 1
     v = INTERLEAVE if virtual_stages is None else virtual_stages
     if not isinstance(v, int) or v < 1:

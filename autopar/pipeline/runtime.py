@@ -43,7 +43,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
 from torch.distributed.tensor import distribute_tensor
 
 from autopar.capture import precision
@@ -57,6 +63,7 @@ from autopar.passes.context import parse_spec
 from autopar.passes.defer_grad_reductions import defer_grad_reductions_pass
 from autopar.passes.ops import start_all_reduce, wait_buckets
 from autopar.passes.split_stages import StageProgram, split_stages
+from autopar.passes.split_weight_grads import with_weight_split
 from autopar.pipeline import planning as pp
 from autopar.pipeline.stage_module import StageModule
 from autopar.plan import Plan
@@ -67,8 +74,10 @@ from autopar.runtime.batch import BatchLayout, DataParallelInputs, input_reads
 from autopar.runtime.materialize import is_meta, model_tensors
 from autopar.runtime.tensors import get_tensor, set_tensor
 
-SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
-MULTI_STAGE = ("interleaved_1f1b",)   # schedules that take a list of this rank's PipelineStages
+SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+                    "zero_bubble": ScheduleInterleavedZeroBubble}   # ZB-H1 (torch's ZB1P) on one chunk per device
+MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")   # schedules that take a list of this rank's PipelineStages
+SPLIT_BACKWARD = ("zero_bubble",)   # schedules that run B and W apart (passes/split_weight_grads.py)
 
 
 def parallelize_pipelined(model: nn.Module, example_inputs: tuple, *, mesh: Mesh, plan: Plan | None,
@@ -113,6 +122,8 @@ def parallelize_pipelined(model: nn.Module, example_inputs: tuple, *, mesh: Mesh
     gm = defer_grad_reductions_pass(gm, ctx)   # gradient all-reduces: once per step, in train_step
     units = [list(s.modules) for s in plan.stages]
     programs = split_stages(gm, units, [u for s in units for u in s], list(captured.grad_param_names))
+    if plan.schedule in SPLIT_BACKWARD:
+        programs = [with_weight_split(p) for p in programs]
     programs = [compiling.compile_stage(p, compile, device_type) for p in programs] if compile else programs
     return PipelinedModule(model, captured, plan, programs, device_mesh, sub_dm, coords, stage_plan, device,
                            init_fn=init_fn, input_reads=reads)
@@ -187,7 +198,8 @@ class PipelinedModule(DataParallelInputs, nn.Module):
         if module._is_last:
             outs = (torch.empty((), device=self._device, requires_grad=True),)
         return PipelineStage(module, index, num_chunks, self._device, input_args=ins, output_args=outs,
-                             group=self.device_mesh.get_group(0))
+                             group=self.device_mesh.get_group(0),
+                             dw_builder=module.weight_runner if program.backward_weight is not None else None)
 
     # ------------------------------------------------------------------ running
     @property
@@ -269,9 +281,16 @@ class PipelinedModule(DataParallelInputs, nn.Module):
         return compiling.describe(self.programs())
 
     def programs(self) -> list:
-        """What runs this rank's stages: each one's gather (if any), forward and backward program."""
-        return [g for s in self._stages for g in (s.program.gather, s.program.forward, s.program.backward)
-                if g is not None]
+        """What runs this rank's stages: each one's gather (if any), forward and backward program (zero bubble:
+        its B and W programs instead of the whole backward; the first stage's B, which has no op, left out)."""
+        out = []
+        for s in self._stages:
+            prog = s.program
+            split = prog.backward_input is not None
+            out += [g for g in (prog.gather, prog.forward, *((prog.backward_input, prog.backward_weight) if split
+                                                             else (prog.backward,)))
+                    if g is not None and any(n.op == "call_function" for n in getattr(g, "gm", g).graph.nodes)]
+        return out
 
     def optimizer(self, cls: type = torch.optim.AdamW, params=None, **options) -> torch.optim.Optimizer:
         """This rank's parameters' optimizer stepping local shards; see `ParallelModule.optimizer`. Its

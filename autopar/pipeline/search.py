@@ -53,7 +53,7 @@ from autopar.planning.reshard import ReshardCost
 from autopar.planning.solver import evaluate
 from autopar.sharding import recipes
 
-DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 PROBLEMS_KEPT = 2         # SPMD Problems a Profiler keeps for re-solving under other memory rows
 # Relative gap at which the search's SPMD solves stop (the plan the search returns is solved again at
 # the planner's own gap). With a memory row, a 2-D sub-mesh's ILP (Llama-70B, dp32 x tp8, ~170k

@@ -50,9 +50,16 @@ class _StageFn(torch.autograd.Function):
             for name, g, like in zip(prog.outputs, grads, fctx.like):
                 g = torch.zeros_like(like) if g is None else g
                 env[("grad", name)] = stage.relayout(g, prog, name, to_grad=True)
-        outs = prog.backward(*[env[k] for k in prog.backward_args])
-        stage.runs["backward"] += 1
         scale = grads[0] if stage.is_last and not is_unit_seed(grads[0]) else None
+        if prog.backward_input is not None:   # zero bubble: B now, W when the schedule runs it (`run_weight`)
+            outs = prog.backward_input(*[env[k] for k in prog.backward_input_args])
+            stage.runs["backward_input"] += 1
+            carried = outs[len(outs) - prog.num_carried:]
+            stage.pending.append(([env[k] for k in prog.backward_weight_args] + list(carried), fctx.locals, scale))
+            outs = [None] * len(prog.grad_params) + list(outs[:len(outs) - prog.num_carried])
+        else:
+            outs = prog.backward(*[env[k] for k in prog.backward_args])
+            stage.runs["backward"] += 1
         outs = [o if o is None or scale is None else o * scale for o in outs]
         by_param = dict(zip(prog.grad_params, outs))
         by_input = dict(zip(prog.input_grads, outs[len(prog.grad_params):]))
@@ -76,6 +83,7 @@ class StageModule(nn.Module):
         self._buffers_by_name = buffers
         self._gathered: dict = {}
         self.runs: Counter = Counter()   # programs run in the current (or last) step: gather, forward, backward
+        self.pending: list = []   # zero bubble: each B's arguments for its W, oldest first (`weight_runner`)
 
     def state_env(self, locals_) -> dict:
         env = {("param", n): t for n, t in zip(self.param_names, locals_)}
@@ -99,6 +107,23 @@ class StageModule(nn.Module):
     def end_step(self) -> None:
         """Free the gathered copies (the schedule has run every micro-batch's backward)."""
         self._gathered = {}
+
+    def weight_runner(self):
+        """PipelineStage's `dw_builder`: called right after a micro-batch's backward (B), it returns what
+        computes that micro-batch's parameter gradients (W) when the schedule runs it. W's gradients reach
+        p.grad as B's would have: through autograd, from the local tensors the forward read."""
+        args, locals_, scale = self.pending.pop()
+
+        def run_weight() -> None:
+            with torch.no_grad():   # as autograd runs B (the schedule calls W in grad mode)
+                outs = self.program.backward_weight(*args)
+            self.runs["backward_weight"] += 1
+            by_param = dict(zip(self.program.grad_params, outs))
+            pairs = [(x, by_param[n] if scale is None else by_param[n] * scale)
+                     for n, x in zip(self.param_names, locals_) if by_param.get(n) is not None]
+            if pairs:
+                torch.autograd.backward([x for x, _ in pairs], [g for _, g in pairs])
+        return run_weight
 
     def relayout(self, g: torch.Tensor, prog: StageProgram, name: str, to_grad: bool) -> torch.Tensor:
         """A boundary gradient between the value's layout (what PipelineStage sends and checks) and the

@@ -1,6 +1,7 @@
 """Pipeline stages: schedule formulas and the exact contiguous split of layers into stages.
 
-Pure Python/numpy (no torch): the search prices thousands of candidate splits.
+Pure Python/numpy (torch only for zero bubble's action order, through `_torch_compat`): the search prices
+thousands of candidate splits.
 
 Units. A model is a sequence of L `LayerCost` units that cannot be cut inside (embedding, one
 block, head+loss). A stage is a contiguous run of units [a, b]. Its time per micro-batch is
@@ -15,6 +16,10 @@ Schedules (p stages, m micro-batches, times t_i = f_i + b_i):
     gpipe, 1f1b         step = sum_i t_i + (m - 1) * max_i t_i
     interleaved_1f1b    p*v virtual stages (chunks), device d holds chunks d, d+p, ...;
                         step = sum_j t_j / v + (m - 1/v) * max_d D_d,  D_d = sum of d's chunks
+    zero_bubble         each stage's backward as B (input gradients) and W (weight gradients, t_i = f_i +
+                        b_i + w_i), run in torch's ZB-H1 order (`ScheduleInterleavedZeroBubble`, one stage
+                        per device): step = the longest path of that order with these times
+                        (`zero_bubble_step`); balanced, m(f + b + w) + (p - 1)(f + b - w)
     bubble fraction     (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1) (balanced stages)
 The first term is the first micro-batch's trip through every stage (fill and drain), the second
 the steady state paced by the slowest stage. Both are exact for a flow shop of identical jobs
@@ -23,8 +28,9 @@ for 1F1B with uneven stages it is an upper bound (an early bottleneck overlaps i
 later stages; < 10% on random 2-8 stage tests), so the search never over-promises.
 
 Memory of stage k (bytes per device): state(a..b) + in_flight(k) * activations(a..b), where
-in_flight is m for GPipe (every micro-batch's activations are kept until the backward pass) and
-min(m, p - k) for 1F1B (stage k runs p - k forwards before its first backward).
+in_flight is m for GPipe (every micro-batch's activations are kept until the backward pass),
+min(m, p - k) for 1F1B (stage k runs p - k forwards before its first backward) and, for zero bubble,
+the peak count of forwards whose W has not run in torch's order (min(m, p) on every stage).
 
 `partition` is exact for gpipe and 1f1b. With T[a, b] the stage-time matrix and mask_k[a, b] the
 memory-fits matrix of stage k, the objective sum_k T_k + (m-1) max_k T_k is minimised by
@@ -53,6 +59,7 @@ among those splits.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -61,7 +68,8 @@ import numpy as np
 from autopar.costmodel.memory import format_bytes
 from autopar.errors import InfeasiblePlanError, InputError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+ZERO_BUBBLE = "zero_bubble"
 ROUND_SHARES = (0.4, 0.6)   # `_round_shares`: the first round's share of a device's budget, besides 1 / v
 INTERLEAVE = 2            # chunks per device (v) of interleaved_1f1b, unless the caller says otherwise
 
@@ -82,6 +90,7 @@ class LayerCost:
     # without that first reader holds its own copy (state, ZeRO-1/2 gather, optimizer update, gradient
     # reduction), once
     shared: tuple = ()
+    weight: float = 0.0       # seconds of `backward` that only parameter gradients need (zero-bubble's W)
 
 
 @dataclass(frozen=True)
@@ -102,14 +111,18 @@ def _check_schedule(schedule: str, p: int, m: int, v: int) -> None:
 
 
 def bubble_fraction(p: int, m: int, schedule: str, v: int = 1) -> float:
-    """Idle fraction of a balanced pipeline: (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1)."""
+    """Idle fraction of a balanced pipeline: (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1); zero bubble
+    (ZB-H1, with forward, input-gradient and weight-gradient times equal) (p-1)/(3m+p-1)."""
     _check_schedule(schedule, p, m, v)
+    if schedule == ZERO_BUBBLE:
+        return (p - 1) / (3 * m + p - 1)
     vv = v if schedule == "interleaved_1f1b" else 1
     return (p - 1) / (vv * m + p - 1)
 
 
 def in_flight(schedule: str, p: int, m: int, stage: int, v: int = 1) -> int:
-    """Micro-batches whose activations stage `stage` keeps at its peak: GPipe m, 1F1B min(m, p - stage).
+    """Micro-batches whose activations stage `stage` keeps at its peak: GPipe m, 1F1B min(m, p - stage), zero
+    bubble the most forwards whose W has not run at any point of torch's order.
     Interleaved: counted in chunk-micro-batches (Megatron's warm-up, 2(p-d-1) + (v-1)p + 1, capped
     at m*v); the caller scales it by the device's activations / v."""
     _check_schedule(schedule, p, m, v)
@@ -117,22 +130,85 @@ def in_flight(schedule: str, p: int, m: int, stage: int, v: int = 1) -> int:
         return m
     if schedule == "1f1b":
         return min(m, p - stage)
+    if schedule == ZERO_BUBBLE:   # forwards whose W has not run yet, at the peak of torch's own order
+        return _zero_bubble_order(p, m)[1][stage]
     return min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
 
 
 def schedule_step_time(fwd: Sequence[float], bwd: Sequence[float], m: int, schedule: str, p2p: float = 0.0,
-                       v: int = 1) -> float:
+                       v: int = 1, weight: Sequence[float] | None = None) -> float:
     """Predicted step time of one pipeline schedule from per-stage (per-chunk for interleaved) times.
     `p2p` is the seconds of one boundary transfer; each boundary is crossed forward and backward per
-    micro-batch, charged to the sending stage. gpipe/1f1b: sum t + (m-1) max t."""
+    micro-batch, charged to the sending stage. gpipe/1f1b: sum t + (m-1) max t. zero_bubble: `weight`
+    (per stage, the part of `bwd` that only parameter gradients need) runs apart, as torch's order says."""
     n = len(fwd)
     vv = v if schedule == "interleaved_1f1b" else 1
     _check_schedule(schedule, max(n // vv, 1), m, vv)
     if n != len(bwd) or n % vv:
         raise InputError(f"{len(fwd)} forward and {len(bwd)} backward times for v={vv} chunks per stage")
-    t = np.asarray(fwd, float) + np.asarray(bwd, float)
-    t = t + p2p * (np.r_[0.0, np.ones(n - 1)] + np.r_[np.ones(n - 1), 0.0])
+    cut = p2p * (np.r_[0.0, np.ones(n - 1)] + np.r_[np.ones(n - 1), 0.0])
+    if schedule == ZERO_BUBBLE:
+        w = np.zeros(n) if weight is None else np.asarray(weight, float)
+        return zero_bubble_step(np.asarray(fwd, float) + cut / 2, np.asarray(bwd, float) - w + cut / 2, w, m)
+    t = np.asarray(fwd, float) + np.asarray(bwd, float) + cut
     return _step(t, m, schedule, vv)
+
+
+@functools.lru_cache(maxsize=32)
+def _zero_bubble_order(p: int, m: int) -> tuple[tuple, tuple[int, ...]]:
+    """torch's ZB-H1 order on p stages, m micro-batches (`compat.zero_bubble_order`) as a dependency graph:
+    actions (stage, kind, previous action of the rank, actions it waits for) in an order that respects them;
+    and each stage's peak of forwards whose W has not run."""
+    from autopar import _torch_compat as compat
+    order = compat.zero_bubble_order(p, m)
+    index: dict = {}
+    actions: list = []
+    ptr, last = [0] * p, [-1] * p
+    while len(actions) < sum(map(len, order)):
+        moved = False
+        for r in range(p):
+            while ptr[r] < len(order[r]):
+                s, kind, mb = order[r][ptr[r]]
+                if kind == "F":
+                    deps = [("F", s - 1, mb)] if s > 0 else []
+                elif kind == "W":
+                    deps = [("IB", s, mb)]
+                else:
+                    deps = [("F", s, mb)] + ([("IB", s + 1, mb)] if s < p - 1 else [])
+                if any(d not in index for d in deps):
+                    break
+                index[("F" if kind == "F" else "W" if kind == "W" else "IB", s, mb)] = len(actions)
+                actions.append((s, kind, last[r], tuple(index[d] for d in deps)))
+                last[r], ptr[r], moved = len(actions) - 1, ptr[r] + 1, True
+        assert moved, f"torch's zero-bubble order for p={p}, m={m} deadlocks"
+    peaks = []
+    for r in range(p):
+        live = peak = 0
+        for _, kind, _ in order[r]:
+            live += kind == "F"
+            live -= kind in ("W", "B")
+            peak = max(peak, live)
+        peaks.append(peak)
+    return tuple(actions), tuple(peaks)
+
+
+def zero_bubble_step(f: np.ndarray, b: np.ndarray, w: np.ndarray, m: int) -> float:
+    """The step of torch's zero-bubble order (`_zero_bubble_order`) for per-stage forward `f`, input-gradient
+    `b` and weight-gradient `w` seconds per micro-batch: each action starts when its rank is free and what it
+    waits for is done (the longest path of the order's dependency graph). Stage 0 has no input gradient to
+    send (its inputs are the batch): its whole backward runs as W, as the runtime runs it."""
+    p = len(f)
+    b, w = b.copy(), w.copy()
+    w[0], b[0] = w[0] + b[0], 0.0
+    dur = {"F": f, "I": b, "W": w, "B": b + w}
+    actions, _ = _zero_bubble_order(p, m)
+    end = [0.0] * len(actions)
+    for i, (s, kind, prev, deps) in enumerate(actions):
+        start = end[prev] if prev >= 0 else 0.0
+        for d in deps:
+            start = end[d] if end[d] > start else start
+        end[i] = start + float(dur[kind][s])
+    return max(end)
 
 
 def _step(t: np.ndarray, m: int, schedule: str, v: int) -> float:
@@ -160,7 +236,10 @@ def step_lower_bound(per_microbatch: float, per_step: float, p: int, m: int, sch
     seconds sum to at least `per_step`: with S = sum of stage times and max_k t_k >= S / p,
         gpipe/1f1b      S + (m-1) S / p                    (the stage-time term of _step)
         interleaved     S / v + (m - 1/v) S / p            (device times D_d >= S / p)
+        zero_bubble     m S / p                            (the busiest stage's own work)
     plus max_k per-step >= per_step / p. p2p transfers only add (c >= 0)."""
+    if schedule == ZERO_BUBBLE:   # the busiest stage's work alone: W fills the fill and drain
+        return per_microbatch * m / p + per_step / p
     vv = v if schedule == "interleaved_1f1b" else 1
     return per_microbatch * (1 / vv + (m - 1 / vv) / p) + per_step / p
 
@@ -251,11 +330,12 @@ def partition(layers: Sequence[LayerCost], p: int, m: int, schedule: str, *, p2p
     budget = np.inf if memory_budget is None else float(memory_budget)
     weight = m * vv - 1   # gpipe/1f1b: m - 1; interleaved: (m - 1/v) * v
     per_step, shared = _prefix(layers, "per_step"), _shared(layers, 2)
+    parts = _parts(layers, schedule)
     best = None
     for share in _round_shares(vv) if np.isfinite(budget) else [(1.0,) * vv]:
         # chunk k (device k % p, round k // p) within share[k // p] of the budget: the device's sum fits
         masks = [mem[c] <= budget * share[k // p] for k, c in enumerate(counts)]
-        found = _scan(T, masks, mem, counts, m, schedule, vv, per_step, shared, weight)
+        found = _scan(T, masks, mem, counts, m, schedule, vv, per_step, shared, weight, parts)
         if found is not None and vv > 1:
             found = _improve(found, T, mem, counts, m, schedule, vv, per_step, shared, budget)
         best = found if best is None or (found is not None and found.step_time < best.step_time) else best
@@ -276,7 +356,7 @@ def priced_split(layers: Sequence[LayerCost], bounds: Sequence[int], p: int, m: 
     _check_schedule(schedule, p, m, vv)
     counts = [chunk_in_flight(schedule, p, m, k, vv) for k in range(p * vv)]
     split = _split(stage_time_matrix(layers, p2p_time), _stage_memory(layers, counts), counts, list(bounds), m,
-                   schedule, vv, _prefix(layers, "per_step"), _shared(layers, 2))
+                   schedule, vv, _prefix(layers, "per_step"), _shared(layers, 2), _parts(layers, schedule))
     return dataclasses.replace(split, step_time=split.step_time + overhead) if overhead else split
 
 
@@ -320,7 +400,7 @@ def _improve(split: StageSplit, T, mem, counts, m, schedule, v, per_step, shared
     return split
 
 
-def _scan(T, masks, mem, counts, m, schedule, v, per_step, shared, weight) -> StageSplit | None:
+def _scan(T, masks, mem, counts, m, schedule, v, per_step, shared, weight, parts=None) -> StageSplit | None:
     """The fastest split under `masks` among the least-sum splits of every bottleneck (chunk time)
     B in ascending order, priced by the schedule's own formula (`_split`); None if none fits."""
     free = _least_sum(T, masks, np.inf)
@@ -331,11 +411,13 @@ def _scan(T, masks, mem, counts, m, schedule, v, per_step, shared, weight) -> St
     for bound in values[_first_feasible(T, masks, values):]:
         # every split whose largest chunk is >= bound steps >= (least sum + weight * bound) / v: its
         # sum is >= the least, and the device holding that chunk is busy >= bound per micro-batch
-        if best is not None and (free[0] + weight * bound) / v >= best.step_time:
+        # (zero bubble: >= m * bound, that stage's own work)
+        least = m * bound if schedule == ZERO_BUBBLE else (free[0] + weight * bound) / v
+        if best is not None and least >= best.step_time:
             break
         found = _least_sum(T, masks, bound)
         if found is not None:
-            split = _split(T, mem, counts, found[1], m, schedule, v, per_step, shared)
+            split = _split(T, mem, counts, found[1], m, schedule, v, per_step, shared, parts)
             best = split if best is None or split.step_time < best.step_time else best
     return best
 
@@ -373,16 +455,28 @@ def _min_memory(mem: dict, counts: list[float], T: np.ndarray) -> float:
     return float(values[lo])
 
 
-def _split(T, mem, counts, bounds, m, schedule, v, per_step: np.ndarray, shared: np.ndarray) -> StageSplit:
+def _parts(layers: Sequence[LayerCost], schedule: str):
+    """(forward, backward, weight) segment matrices, which zero bubble's step needs apart; None otherwise."""
+    if schedule != ZERO_BUBBLE:
+        return None
+    return tuple(_segment(_prefix(layers, attr)) for attr in ("forward", "backward", "weight"))
+
+
+def _split(T, mem, counts, bounds, m, schedule, v, per_step: np.ndarray, shared: np.ndarray,
+           parts=None) -> StageSplit:
     n, p = T.shape[0], len(bounds) // v
     ends = list(bounds[1:]) + [n]
     times = np.array([T[a, b - 1] for a, b in zip(bounds, ends)])
+    if schedule == ZERO_BUBBLE:   # the cut transfers (T's rest), half with the forward, half with B
+        f, bwd, w = (np.array([x[a, b - 1] for a, b in zip(bounds, ends)]) for x in parts)
+        cut = times - f - bwd
+        sim = zero_bubble_step(f + cut / 2, bwd - w + cut / 2, w, m)
     memory = [float(mem[c][a, b - 1]) for c, a, b in zip(counts, bounds, ends)]
     once = np.array([per_step[b] - per_step[a] + shared[a, b - 1] for a, b in zip(bounds, ends)])
     if v > 1:  # a device holds chunks d, d+p, ...: its memory is their sum
         memory = [sum(memory[d::p]) for d in range(p)]
     once = once.reshape(v, p).sum(axis=0)
-    step = _step(times, m, schedule, v) + float(once.max())
+    step = (sim if schedule == ZERO_BUBBLE else _step(times, m, schedule, v)) + float(once.max())
     busy = (m * times.sum() + once.sum()) / p
     return StageSplit(tuple(int(a) for a in bounds), tuple(float(t) for t in times), tuple(memory), step,
                       float(max(0.0, 1.0 - busy / step)) if step > 0 else 0.0)

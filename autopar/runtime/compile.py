@@ -199,13 +199,18 @@ class CompiledProgram:
 
 def compile_stage(program, compile: bool | str, device_type: str):
     """A pipeline stage's program (`passes/split_stages.StageProgram`) with its forward and backward, and its
-    once-per-step ZeRO-1/2 gather program where it has one, compiled."""
+    once-per-step ZeRO-1/2 gather program and zero-bubble B and W programs where it has them, compiled (each
+    on its first call: a zero-bubble stage never calls its whole backward)."""
     overlap, graphs = overlap_mode(compile, device_type), compile == CUDA_GRAPHS
 
-    def compiled(gm, what):
-        return None if gm is None else CompiledProgram(gm, f"stage {program.index} {what}", overlap, graphs)
+    def compiled(gm, what):   # a program without ops (the first stage's B: no input gradient) stays as it is
+        if gm is None or not any(n.op == "call_function" for n in gm.graph.nodes):
+            return gm
+        return CompiledProgram(gm, f"stage {program.index} {what}", overlap, graphs)
     return dataclasses.replace(program, forward=compiled(program.forward, "forward"),
-                               backward=compiled(program.backward, "backward"), gather=compiled(program.gather, "gather"))
+                               backward=compiled(program.backward, "backward"), gather=compiled(program.gather, "gather"),
+                               backward_input=compiled(program.backward_input, "backward (input gradients)"),
+                               backward_weight=compiled(program.backward_weight, "backward (weight gradients)"))
 
 
 def compile_seconds(programs: list) -> float | None:
