@@ -177,7 +177,7 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     jobs: list[tuple] = []
     explored, walk = False, {}
     if pipelines:
-        schedules = (schedule,) if schedule else DEFAULT_SCHEDULES   # zero_bubble: forced only (docs/pipelines.md)
+        schedules = (schedule,) if schedule else DEFAULT_SCHEDULES   # every runtime schedule, zero bubble included
         with timer("search"):   # the bounds' one-device problem of the whole batch (unit count included)
             # pp = 1 with m > 1 is gradient accumulation (one stage, the micro-batches one after another:
             # activations of one micro-batch held); pp = 1, m = 1 is the SPMD plan planned above
