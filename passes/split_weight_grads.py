@@ -79,7 +79,7 @@ def _program(placeholders: list[fx.Node], ops: list[fx.Node], carried: list[fx.N
     used = {a for n in ops for a in n.all_input_nodes} | {r for r in results if isinstance(r, fx.Node)}
     graph, env, args = fx.Graph(), {}, []
     for i, ph in enumerate(placeholders):
-        if ph in used and ph not in carried:
+        if ph in used:
             env[ph] = graph.placeholder(ph.name)
             env[ph].meta.update(ph.meta)
             args.append(i)

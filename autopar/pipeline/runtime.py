@@ -289,7 +289,7 @@ class PipelinedModule(DataParallelInputs, nn.Module):
             split = prog.backward_input is not None
             out += [g for g in (prog.gather, prog.forward, *((prog.backward_input, prog.backward_weight) if split
                                                              else (prog.backward,)))
-                    if g is not None and any(n.op == "call_function" for n in getattr(g, "gm", g).graph.nodes)]
+                    if g is not None and compiling.runs_ops(g)]
         return out
 
     def optimizer(self, cls: type = torch.optim.AdamW, params=None, **options) -> torch.optim.Optimizer:

@@ -204,13 +204,18 @@ def compile_stage(program, compile: bool | str, device_type: str):
     overlap, graphs = overlap_mode(compile, device_type), compile == CUDA_GRAPHS
 
     def compiled(gm, what):   # a program without ops (the first stage's B: no input gradient) stays as it is
-        if gm is None or not any(n.op == "call_function" for n in gm.graph.nodes):
+        if gm is None or not runs_ops(gm):
             return gm
         return CompiledProgram(gm, f"stage {program.index} {what}", overlap, graphs)
     return dataclasses.replace(program, forward=compiled(program.forward, "forward"),
                                backward=compiled(program.backward, "backward"), gather=compiled(program.gather, "gather"),
                                backward_input=compiled(program.backward_input, "backward (input gradients)"),
                                backward_weight=compiled(program.backward_weight, "backward (weight gradients)"))
+
+
+def runs_ops(program) -> bool:
+    """Whether a program (a GraphModule, or its CompiledProgram) has any op to run."""
+    return any(n.op == "call_function" for n in getattr(program, "gm", program).graph.nodes)
 
 
 def compile_seconds(programs: list) -> float | None:
