@@ -35,6 +35,8 @@ import argparse
 import time
 import warnings
 
+from autopar.pipeline import stages
+
 DEVICES = (8, 16, 64, 256)
 BUDGETS = ("80GB", "40GB")
 PER_NODE = 8
@@ -44,7 +46,7 @@ SMALL = ("gpt2-124m", "gpt2-350m", "gpt2-1.5b", "llama-7b", "llama-13b", "llama-
 LARGE = [("llama-7b", 64, "bf16"), ("llama-13b", 256, "bf16"), ("llama-70b/4", 512, "bf16"),
          ("llama-70b/4", 1024, "bf16"), ("llama-405b/2", 1024, "bf16"), ("llama-405b/2", 2048, "bf16")]
 FULL_DEPTH = [("llama-70b", 512, "bf16"), ("llama-70b", 1024, "bf16"), ("llama-405b", 2048, "bf16")]
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")   # autopar.pipeline.planning.SCHEDULES: the runtime's
+SCHEDULES = stages.SCHEDULES   # the runtime's
 # auto within this relative margin of a recipe counts as a tie (<=): the SPMD solver minimises the
 # micro-batch graph's seconds, not the split's step time, so among plans equal to ~1e-6 it may pick one
 # whose split is microseconds slower (Llama 13B x 8 at 40 GB: 12.689222 s against the recipe's 12.689207 s)

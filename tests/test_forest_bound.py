@@ -76,3 +76,26 @@ def test_lp_bound_lies_between_the_forest_bound_and_the_best_tiled_plan(seed):
     tree = _graph(rng, 6, [(i, int(rng.integers(0, i))) for i in range(1, 6)])
     ones = [1.0] * 6, [1.0] * 5
     assert lp_lower_bound(tree, *ones) == pytest.approx(brute_force(tree).time, rel=1e-6)
+
+
+def _grid(rng, rows: int, cols: int, k: int) -> CostGraph:
+    """A rows x cols grid of nodes with k strategies each (edges right and down): cycles everywhere,
+    an LP of a few hundred columns that the eliminations do not solve away."""
+    n = rows * cols
+    nodes = [CostNode(f"n{i}", rng.uniform(0, 1, k), np.zeros(k)) for i in range(n)]
+    pairs = [(i, i + 1) for i in range(n) if (i + 1) % cols] + [(i, i + cols) for i in range(n - cols)]
+    return CostGraph(nodes, [CostEdge(a, b, rng.uniform(0, 2, (k, k))) for a, b in pairs])
+
+
+def test_lp_bound_stops_once_it_proves_a_bound_above_the_threshold():
+    """`stop_above`: below the optimum, the LP may stop early with any bound above the threshold (and never
+    above the optimum); above it, the answer is the optimum itself."""
+    cg = _grid(np.random.default_rng(0), 6, 6, 5)
+    ones = [1.0] * len(cg.nodes), [1.0] * len(cg.edges)
+    opt = lp_lower_bound(cg, *ones)
+    assert opt > 0
+    early = lp_lower_bound(cg, *ones, stop_above=0.5 * opt)
+    assert 0.5 * opt < early < opt * (1 - 1e-6)   # stopped before the optimum: the dual's bound then
+    for frac in (0.9, 0.99):
+        assert frac * opt < lp_lower_bound(cg, *ones, stop_above=frac * opt) <= opt * (1 + 1e-9)
+    assert lp_lower_bound(cg, *ones, stop_above=1.5 * opt) == pytest.approx(opt, rel=1e-9)

@@ -83,6 +83,7 @@ if TYPE_CHECKING:
 
 SKIPPED = "not priced under memory rows"   # a fast search's candidate (`price`'s cutoff)
 SKIP_MARGIN = 1.05   # ... when its budget-free plan splits at least this times slower than the cutoff
+STOP_MARGIN = 1e-6   # a group's LP bound may stop this fraction above what prunes every live candidate
 INNER_TIGHTENING = (1.0, 0.5)   # inner SPMD memory rows tried, as fractions of pp * budget
 FLOOR_SLACK = 1.05        # a weighted row no SPMD plan meets is retried at this times the least one
 RESPLITS = 3   # `_recomputed`: the partly recomputed profile split anew (and thinned) at most this many times
@@ -149,9 +150,10 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
             if pp == 1 and strategy is None and _needs_recompute(prof, 1, dp * tp, m, s, budget):
                 continue   # accumulation that only recompute could fit: `price` prices none for one stage
             bound = step_lower_bound(ops, step, pp, m, s, INTERLEAVE)
-            if fast and s == ZERO_BUBBLE and _needs_recompute(prof, pp, dp * tp, m, s, budget):
+            needs = pp > 1 and _needs_recompute(prof, pp, dp * tp, m, s, budget)
+            if fast and s == ZERO_BUBBLE and needs:
                 continue   # zero bubble keeps pp micro-batches on every stage: where only recompute fits, fast leaves it
-            if recompute and strategy is None and pp > 1 and _needs_recompute(prof, pp, dp * tp, m, s, budget):
+            if recompute and strategy is None and needs:
                 # only recompute can make it fit (`price`): at least what freeing the excess re-runs
                 excess = _excess(prof, pp, dp * tp, m, s, budget)
                 rerun = rerun_of[pp, dp, tp, m, s] = prof.rerun_seconds_bound(m, dp * tp, excess)
@@ -176,7 +178,7 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
         priced_here = False
         # the forest and LP bounds need the group's CostProblem: worth building first only where the solve
         # is the costly 2-D one (auto on a dp x tp sub-mesh); 1-D and forced-recipe groups solve by the DP
-        ratio = None   # the LP bound's per-step weight, one per group (the least its live candidates need)
+        ratio = stop = None   # the LP bound's per-step weight, one per group (the least its live candidates need)
         for bound, pp, dp, tp, m, s in group:
             if bound > cutoff:
                 continue
@@ -185,10 +187,14 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
                 continue
             if costly and fast and cutoff < float("inf"):   # the LP bound in place of the forest
                 if ratio is None:   # later candidates are live under a lower cutoff: the least ratio still holds
-                    ratio = min(_per_step(p, mm, x) / _per_microbatch(p, mm, x) for b, p, _, _, mm, x in group
-                                if b <= cutoff)
+                    live = [(p, d, t, mm, x) for b, p, d, t, mm, x in group if b <= cutoff]
+                    ratio = min(_per_step(p, mm, x) / _per_microbatch(p, mm, x) for p, _, _, mm, x in live)
+                    # a bound above this prunes every live candidate (and the cutoff only falls): the LP may stop there
+                    stop = max(cutoff / _per_microbatch(p, mm, x) - rerun_of.get((p, d, t, mm, x), 0.0)
+                               for p, d, t, mm, x in live)
+                    stop += STOP_MARGIN * abs(stop)
                 # a recompute-only candidate's plan runs a tiled plan's seconds and its re-run on top
-                lp = prof.lp_bound(m, dp, tp, strategy, ratio) + rerun_of.get((pp, dp, tp, m, s), 0.0)
+                lp = prof.lp_bound(m, dp, tp, strategy, ratio, stop) + rerun_of.get((pp, dp, tp, m, s), 0.0)
                 if _per_microbatch(pp, m, s) * lp > cutoff:
                     lp_pruned += 1
                     continue

@@ -48,7 +48,7 @@ from autopar.debug import PhaseTimer
 from autopar.errors import InfeasiblePlanError, InputError, MeshError
 from autopar.mesh import Mesh
 from autopar.pipeline.layer_profile import layer_costs, step_weighted
-from autopar.pipeline.stages import INTERLEAVE, ZERO_BUBBLE, chunk_in_flight, partition, step_weight
+from autopar.pipeline.stages import INTERLEAVE, SCHEDULES, ZERO_BUBBLE, chunk_in_flight, partition, step_weight
 from autopar.plan import NodeChoice, ParamPlacement, Plan, StagePlan
 from autopar.planning import assemble, spmd
 from autopar.planning import recompute as recompute_mod
@@ -57,7 +57,6 @@ from autopar.planning.solver import evaluate
 from autopar.sharding import recipes
 
 PP = "pp"
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 DEFAULT_SCHEDULE = "1f1b"
 INTERLEAVED = "interleaved_1f1b"
 

@@ -53,7 +53,7 @@ from autopar.planning.reshard import ReshardCost
 from autopar.planning.solver import evaluate
 from autopar.sharding import recipes
 
-DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+DEFAULT_SCHEDULES = SCHEDULES   # every schedule the runtime runs
 PROBLEMS_KEPT = 2         # SPMD Problems a Profiler keeps for re-solving under other memory rows
 # Relative gap at which the search's SPMD solves stop (the plan the search returns is solved again at
 # the planner's own gap). With a memory row, a 2-D sub-mesh's ILP (Llama-70B, dp32 x tp8, ~170k
@@ -144,7 +144,7 @@ class Profiler:
         self.graph_facts: dict[int, dict] = {}              # ProblemBuilder's graph-only facts per capture (id), shared
         self.weighted_views: dict[tuple, tuple] = {}        # (CostProblem key, weights) -> (CostProblem, its `weighted` view)
         self.solutions: dict[tuple, object] = {}            # layers()'s key -> the solver's Solution (plans build from it)
-        self.lp_bounds: dict[tuple, float] = {}             # (CostProblem key, ratio) -> `lp_bound`
+        self.lp_bounds: dict[tuple, tuple] = {}             # (CostProblem key, ratio) -> (`lp_bound`, exact)
         self.recomputes: dict[tuple, tuple] = {}            # layers()'s key -> `recomputed`'s answer
         self.expanded: tuple = (None, None)                 # (CostProblem, recompute.expand of it): the last one
 
@@ -361,16 +361,20 @@ class Profiler:
         f, once = (step_lower_bound(*unit, pp, m, schedule, INTERLEAVE) for unit in ((1.0, 0.0), (0.0, 1.0)))
         return forest_lower_bound(prob.cg, *_step_weights(prob, f, once), self.forests["forest"])
 
-    def lp_bound(self, m: int, dp: int, tp: int, strategy, ratio: float) -> float:
+    def lp_bound(self, m: int, dp: int, tp: int, strategy, ratio: float, stop_above: float | None = None) -> float:
         """min over tiled plans of the (m, dp, tp) CostProblem of (per micro-batch seconds) + ratio *
         (per step seconds), bounded from below by the LP relaxation of its layer quotient
         (`autopar.planning.lp_bound`; cached). For a candidate with step factor f (`stages.step_lower_bound`)
-        and pp stages, f * lp_bound(ratio) bounds its tiled plans' step whenever ratio <= 1 / (f * pp)."""
+        and pp stages, f * lp_bound(ratio) bounds its tiled plans' step whenever ratio <= 1 / (f * pp).
+        `stop_above`: any bound above it will do (the LP stops once its dual proves one); the optimum where
+        the bound is lower."""
         key = (m, *self._inner(dp, tp, strategy), ratio)
-        if key not in self.lp_bounds:
+        found = self.lp_bounds.get(key)   # (bound, whether it is the LP's optimum)
+        if found is None or not (found[1] or (stop_above is not None and found[0] > stop_above)):
             prob = self.problem(m, dp, tp, strategy)
-            self.lp_bounds[key] = lp_lower_bound(prob.cg, *_step_weights(prob, 1.0, ratio))
-        return self.lp_bounds[key]
+            bound = lp_lower_bound(prob.cg, *_step_weights(prob, 1.0, ratio), stop_above)
+            found = self.lp_bounds[key] = (bound, stop_above is None or bound <= stop_above)
+        return found[0]
 
     def one_device_seconds(self, m: int) -> tuple[float, float]:
         """(per micro-batch, per step) seconds on one device bounding every layout of m micro-batches

@@ -308,17 +308,23 @@ def _arrays(p: SolverProblem, cost_scale: float = 1.0, budget: bool = True) -> _
 
 
 def solve_lp(p: SolverProblem, cost_scale: float = 1.0, tight: bool = False, budget: bool = True,
-             presolve: bool = True) -> tuple[float, dict[int, dict[int, float]]] | None:
+             presolve: bool = True, stop_above: float | None = None) -> tuple[float, dict[int, dict[int, float]]] | None:
     """The LP relaxation of `build_model`'s model (every x and e in [0, 1]; p's memory row unless
     `budget=False`), built from arrays (`_arrays`) and solved by HiGHS (`_highs_lp`): (objective
     without p.time_offset, {i: {s: x[i,s]}}), or None when HiGHS proves no optimum. pywraplp builds the
     same model one coefficient at a time: 1.3 CPU s a model on Llama-3.1-405B's 2-D sub-meshes (~20% of
     its search), this a few hundredths. `cost_scale` multiplies every cost (the objective is returned
-    unscaled); `tight`: feasibility tolerances 1e-9; `presolve`: HiGHS's (`_solve_lp_scaled` skips it: see there)."""
+    unscaled); `tight`: feasibility tolerances 1e-9; `presolve`: HiGHS's (`_solve_lp_scaled` skips it: see there).
+    `stop_above` (objective without p.time_offset, unscaled): the dual simplex stops as soon as its dual
+    objective, a lower bound of the optimum at every iteration, exceeds it (HiGHS's `objective_bound`, checked
+    against the unperturbed costs); the objective returned is then that bound, not the optimum, and the
+    values are not a solution."""
     arrays = _arrays(p, cost_scale, budget)
     if arrays is None:
         return None
     options = {"presolve": "on" if presolve else "off", **(_TIGHT if tight else {})}
+    if stop_above is not None:
+        options.update(simplex_strategy=1, objective_bound=stop_above * cost_scale)   # 1: the dual simplex
     solved = _highs_lp(arrays, options)
     if solved is None:
         return None
@@ -357,7 +363,7 @@ def _highs_lp(arrays: _Arrays, options: dict) -> tuple[float, np.ndarray] | None
     highs = _highs(arrays, options)
     if highs is None or highs.run() == highspy.HighsStatus.kError:
         return None
-    if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+    if highs.getModelStatus() not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kObjectiveBound):
         return None
     return float(highs.getInfo().objective_function_value), np.asarray(highs.getSolution().col_value)
 
@@ -445,27 +451,29 @@ def _support_plan(p: SolverProblem, values: dict[int, dict[int, float]], gap: fl
     return choice if math.isfinite(p.evaluate(choice)[0]) else None
 
 
-def relaxation_bound(p: SolverProblem) -> float:
+def relaxation_bound(p: SolverProblem, stop_above: float | None = None) -> float:
     """The optimum of p's LP relaxation without its memory row (x continuous, by HiGHS): no plan of p
-    costs less. -inf when HiGHS does not prove an optimum.
+    costs less. -inf when HiGHS does not prove an optimum. `stop_above`: a value above it may be returned as
+    soon as the dual simplex proves one (a bound under the optimum, above `stop_above`: `solve_lp`).
     HiGHS's optimality tolerances are absolute (1e-7 on reduced costs by default), and in seconds
     they let a vertex above the optimum pass as optimal (a GPT block on 2 x 4 devices: 5e-5 over the
     ILP's optimum, so the "bound" exceeded a plan). Costs are therefore scaled to a median coefficient
     of 1 and solved to 1e-9: the same graph then gives the optimum to 1e-15."""
     if not p.time:
         return p.time_offset
-    solved = _solve_lp_scaled(p, budget=False)
+    stop = None if stop_above is None else stop_above - p.time_offset
+    solved = _solve_lp_scaled(p, budget=False, stop_above=stop)
     if solved is None:
         return -math.inf
     return solved[0] + p.time_offset
 
 
-def _solve_lp_scaled(p: SolverProblem, budget: bool = True):
+def _solve_lp_scaled(p: SolverProblem, budget: bool = True, stop_above: float | None = None):
     """`solve_lp` with costs scaled to a median coefficient of 1 and tolerances 1e-9 (`relaxation_bound`),
     without HiGHS's presolve: p is `simplify`'s reduction already, and the presolve cost more than it
     saved (Llama-3-70B's 2-D layer quotients, 133k-228k columns: 0.27 / 0.49 CPU s without it against
     0.75 / 1.2 s with it, the same optimum to 1e-14)."""
-    return solve_lp(p, cost_scale=_cost_scale(p), tight=True, budget=budget, presolve=False)
+    return solve_lp(p, cost_scale=_cost_scale(p), tight=True, budget=budget, presolve=False, stop_above=stop_above)
 
 
 def _cost_scale(p: SolverProblem) -> float:

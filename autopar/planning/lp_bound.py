@@ -29,9 +29,13 @@ from autopar.planning.simplify import compact, from_costgraph, quotient_layers, 
 _SLACK = 1e-7
 
 
-def lp_lower_bound(cg: CostGraph, node_weight: Sequence[float], edge_weight: Sequence[float]) -> float:
+def lp_lower_bound(cg: CostGraph, node_weight: Sequence[float], edge_weight: Sequence[float],
+                   stop_above: float | None = None) -> float:
     """A lower bound of sum_i node_weight[i] * time_i + sum_k edge_weight[k] * time_k over tiled plans
-    of cg (all plans when cg has no layer_groups); weights >= 0."""
+    of cg (all plans when cg has no layer_groups); weights >= 0. `stop_above`: the LP may stop as soon as
+    its dual proves a bound above this (`ilp.relaxation_bound`): a caller that only asks "does the bound
+    exceed x?" gets the same answer, sooner (a third to a fifth of the LP where the optimum is 1.5-3x x).
+    A result <= stop_above is the LP's optimum (shaved); one above it may be any bound above it."""
     nodes = [CostNode(nd.name, w * np.asarray(nd.time, float), nd.memory) for nd, w in zip(cg.nodes, node_weight)]
     edges = [CostEdge(e.src, e.dst, w * np.asarray(e.time, float)) for e, w in zip(cg.edges, edge_weight)]
     weighted = CostGraph(nodes, edges, None, cg.memory_offset, cg.layer_groups)
@@ -42,5 +46,7 @@ def lp_lower_bound(cg: CostGraph, node_weight: Sequence[float], edge_weight: Seq
         return float("inf")
     reduced = compacted[0]
     simplify(reduced)   # exact eliminations: the same integer optimum, an LP a third the size, never looser
-    bound = relaxation_bound(reduced)
+    # a bound it stops at lies above `stop_above` still once shaved (so a result <= stop_above is the optimum's)
+    stop = None if stop_above is None else stop_above + 4 * _SLACK * abs(stop_above)
+    bound = relaxation_bound(reduced, stop)
     return bound - _SLACK * abs(bound)
