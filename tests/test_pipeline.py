@@ -144,6 +144,39 @@ def test_layer_costs_weight_is_the_parameter_gradients_part_of_backward():
         assert len(mm) == 8 and sum(mm) == 4, (b, mm)   # c_attn, c_proj, c_fc, mlp c_proj
 
 
+@pytest.mark.parametrize("name,cut", [("gpt", 2), ("llama", 3)])
+def test_layer_costs_carried_bytes_are_what_the_runtime_hands_from_b_to_w(name, cut):
+    """LayerCost.carried_bytes (zero bubble's gradients held from B to W): summed over a later stage's units,
+    the bytes of the carried values its W program reads (passes/split_weight_grads.py), on one device;
+    the first stage carries none at run time (its B is empty), and the stage split charges it none."""
+    from autopar.capture.canonicalize import canonicalize
+    from autopar.capture.trace import capture
+    from autopar.passes.split_stages import graph_units, split_stages
+    from autopar.passes.split_weight_grads import with_weight_split
+    from autopar.pipeline.layer_profile import layer_costs
+    from autopar.pipeline.stages import _memory_counts
+    from autopar.planning import spmd as planner
+    from autopar.planning.problem import ProblemBuilder
+    from autopar.sharding import recipes
+    case = models.tiny_gpt(batch=2, seq=8) if name == "gpt" else models.tiny_llama(batch=2, seq=8)
+    cap = capture(case.model, case.args, example_kwargs=case.kwargs)
+    canonicalize(cap.gm)
+    sub = autopar.Mesh((1,), axis_names=("dp",))
+    prob = ProblemBuilder(cap, sub).build()
+    sol, _ = planner.solve_requested(prob, cap, sub, recipes.normalize("dp", sub), {}, 10)
+    costs = layer_costs(prob, sol.choice)
+    units = graph_units(cap.gm)
+    assert [c.name for c in costs] == list(units)
+    programs = [with_weight_split(p) for p in split_stages(cap.gm, [units[:cut], units[cut:]], units,
+                                                           list(cap.grad_param_names))]
+    carried = [sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in p.backward_weight.graph.nodes
+                   if n.op == "placeholder" and n.name.startswith("carried_")) for p in programs]
+    assert carried[0] == 0 and carried[1] > 0
+    assert sum(c.carried_bytes for c in costs[cut:]) == pytest.approx(carried[1], rel=1e-9)
+    assert [w for _, w in _memory_counts("zero_bubble", 2, 4, 1)] == [0, 2]
+    assert [w for _, w in _memory_counts("1f1b", 2, 4, 1)] == [0, 0]
+
+
 def test_layer_costs_count_gradient_all_reduces_once_and_reduce_scatters_per_microbatch():
     """The pipelined runtime all-reduces a gradient once per step (passes/defer_grad_reductions.py) but
     reduce-scatters a ZeRO gradient in every micro-batch's backward: layer_costs files the first under

@@ -156,7 +156,8 @@ def unfold(layers: list[LayerCost], stack: str, count: int) -> list[LayerCost]:
         if lc.name == f"{stack}.1":
             one = dataclasses.replace(lc, forward=lc.forward / w, backward=lc.backward / w,
                                       state_bytes=lc.state_bytes / w, activation_bytes=lc.activation_bytes / w,
-                                      per_step=lc.per_step / w, weight=lc.weight / w)
+                                      per_step=lc.per_step / w, weight=lc.weight / w,
+                                      carried_bytes=lc.carried_bytes / w)
             out.extend(dataclasses.replace(one, name=f"{stack}.{i}") for i in range(1, count - 1))
         elif lc.name == f"{stack}.2":
             out.append(dataclasses.replace(lc, name=f"{stack}.{count - 1}"))

@@ -21,6 +21,7 @@ final norm, head, loss). For the chosen strategy of every node this module sums,
                          not the first keeps its own copy (autopar/pipeline/stages.py adds it)
     state_bytes          params + gathered params + grads + optimizer state of its parameters
     activation_bytes     the outputs its forward ops keep for backward (problem.saved_values)
+    carried_bytes        the values its W ops read from B ops (zero bubble holds them from B to W)
     boundary_bytes       forward values made at or before this unit and read by a later unit,
                          local bytes under their chosen placement (what a stage cut here sends)
 so the units' sums equal the SPMD plan's totals (assemble.totals): time and memory.
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from autopar.graph import PHASE, ROLE, layer_of, node_path, producer_of
+from autopar.graph import PHASE, ROLE, layer_of, nbytes_of, node_path, producer_of, val_of
 from autopar.pipeline.stages import LayerCost
 from autopar.placement import local_fraction
 from autopar.planning.costgraph import CostEdge, CostGraph, CostNode
@@ -143,10 +144,40 @@ def layer_costs(prob: CostProblem, choice: np.ndarray, captured=None, recompute:
             wgt[u] += t if weight_only[e.dst] else 0.0
     boundary = _boundaries(prob, choice, unit, n)
     shared = _shared(prob, choice, unit)
+    carried = _carried(prob, choice, unit, weight_only, n)
     used = set(unit)
     return [LayerCost(names[u], float(fwd[u]), float(bwd[u]), float(state[u]), float(act[u]), float(boundary[u]),
-                      per_step=float(step[u]), shared=tuple(shared.get(u, ())), weight=float(wgt[u]))
+                      per_step=float(step[u]), shared=tuple(shared.get(u, ())), weight=float(wgt[u]),
+                      carried_bytes=float(carried[u]))
             for u in range(n) if u in used]
+
+
+def _carried(prob: CostProblem, choice: np.ndarray, unit: list[int], weight_only: list[bool], n: int) -> np.ndarray:
+    """Per unit: local bytes per micro-batch of the values B ops make and the unit's W ops read (zero
+    bubble's carried gradients, `LayerCost.carried_bytes`: a linear's output gradient, which B passes on
+    and W multiplies into the weight gradient), and of the parameter gradients B ops make themselves (a
+    layer norm's backward computes its weight's gradient with the input's: W returns it), each value once
+    per unit, at its producer's placement."""
+    out, seen = np.zeros(n), set()
+    axes = tuple(prob.mesh.shape)
+    for e in prob.edges:
+        if e.kind == "grad":   # (parameter, gradient): made by a B op, handed to W to return
+            made, out_index, reader = e.dst, e.out, e.dst
+        elif weight_only[e.dst]:
+            made, out_index, reader = e.src, e.out, e.dst
+        else:
+            continue
+        src = prob.nodes[made]
+        if src.op == "placeholder" or src.meta.get(PHASE) == "forward" or weight_only[made]:
+            continue   # a parameter, a saved activation (counted as such) or a value W makes itself
+        key = (made, out_index, unit[reader])
+        if key not in seen:
+            seen.add(key)
+            val = val_of(src)
+            val = val[out_index] if isinstance(val, (tuple, list)) else val
+            spec = prob.strategies[made][choice[made]].outs[out_index]
+            out[unit[reader]] += nbytes_of(val) * local_fraction(spec, axes) * multiplicity(prob, made)
+    return out
 
 
 def _weight_only(prob: CostProblem, unit: list[int]) -> list[bool]:

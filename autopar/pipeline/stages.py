@@ -30,7 +30,9 @@ later stages; < 10% on random 2-8 stage tests), so the search never over-promise
 Memory of stage k (bytes per device): state(a..b) + in_flight(k) * activations(a..b), where
 in_flight is m for GPipe (every micro-batch's activations are kept until the backward pass),
 min(m, p - k) for 1F1B (stage k runs p - k forwards before its first backward) and, for zero bubble,
-the peak count of forwards whose W has not run in torch's order (min(m, p) on every stage).
+the peak count of forwards whose W has not run in torch's order (min(m, p) on every stage), plus on
+stages k >= 1 the gradients B hands W (`LayerCost.carried_bytes`) of the most micro-batches waiting
+between their B and W (k + 1): an upper bound (`_memory_counts`; measured: benchmarks/pipeline_memory.py).
 
 `partition` is exact for gpipe and 1f1b. With T[a, b] the stage-time matrix and mask_k[a, b] the
 memory-fits matrix of stage k, the objective sum_k T_k + (m-1) max_k T_k is minimised by
@@ -91,6 +93,8 @@ class LayerCost:
     # reduction), once
     shared: tuple = ()
     weight: float = 0.0       # seconds of `backward` that only parameter gradients need (zero-bubble's W)
+    carried_bytes: float = 0.0   # per device per micro-batch: the gradients zero bubble's B hands its W, held
+                                 # from B until W runs (zero bubble only: `_memory_counts`)
 
 
 @dataclass(frozen=True)
@@ -155,10 +159,10 @@ def schedule_step_time(fwd: Sequence[float], bwd: Sequence[float], m: int, sched
 
 
 @functools.lru_cache(maxsize=32)
-def _zero_bubble_order(p: int, m: int) -> tuple[tuple, tuple[int, ...]]:
+def _zero_bubble_order(p: int, m: int) -> tuple[tuple, tuple[int, ...], tuple[int, ...]]:
     """torch's ZB-H1 order on p stages, m micro-batches (`compat.zero_bubble_order`) as a dependency graph:
     actions (stage, kind, previous action of the rank, actions it waits for) in an order that respects them;
-    and each stage's peak of forwards whose W has not run."""
+    each stage's peak of forwards whose W has not run; and its peak of micro-batches whose B has run and W not."""
     from autopar import _torch_compat as compat
     order = compat.zero_bubble_order(p, m)
     index: dict = {}
@@ -181,15 +185,17 @@ def _zero_bubble_order(p: int, m: int) -> tuple[tuple, tuple[int, ...]]:
                 actions.append((s, kind, last[r], tuple(index[d] for d in deps)))
                 last[r], ptr[r], moved = len(actions) - 1, ptr[r] + 1, True
         assert moved, f"torch's zero-bubble order for p={p}, m={m} deadlocks"
-    peaks = []
+    peaks, waiting = [], []
     for r in range(p):
-        live = peak = 0
+        live = peak = ran_b = most = 0
         for _, kind, _ in order[r]:
             live += kind == "F"
             live -= kind in ("W", "B")
-            peak = max(peak, live)
+            ran_b += (kind == "I") - (kind == "W")
+            peak, most = max(peak, live), max(most, ran_b)
         peaks.append(peak)
-    return tuple(actions), tuple(peaks)
+        waiting.append(most)
+    return tuple(actions), tuple(peaks), tuple(waiting)
 
 
 def zero_bubble_step(f: np.ndarray, b: np.ndarray, w: np.ndarray, m: int) -> float:
@@ -201,7 +207,7 @@ def zero_bubble_step(f: np.ndarray, b: np.ndarray, w: np.ndarray, m: int) -> flo
     b, w = b.copy(), w.copy()
     w[0], b[0] = w[0] + b[0], 0.0
     dur = {"F": f, "I": b, "W": w, "B": b + w}
-    actions, _ = _zero_bubble_order(p, m)
+    actions = _zero_bubble_order(p, m)[0]
     end = [0.0] * len(actions)
     for i, (s, kind, prev, deps) in enumerate(actions):
         start = end[prev] if prev >= 0 else 0.0
@@ -265,11 +271,27 @@ def stage_time_matrix(layers: Sequence[LayerCost], p2p_time: Callable[[float], f
     return seg + cut[None, :] + incoming[:, None] if n else seg
 
 
-def _stage_memory(layers: Sequence[LayerCost], counts: Sequence[float]) -> dict[float, np.ndarray]:
-    """M_k[a, b] for each distinct in-flight count: state (shared copies included) + count * activations."""
+def _memory_counts(schedule: str, p: int, m: int, v: int) -> list[tuple[float, int]]:
+    """Per chunk, (micro-batches whose activations it keeps: `chunk_in_flight`, micro-batches whose carried
+    gradients it keeps: `LayerCost.carried_bytes`); the keys of `_stage_memory`. Zero bubble: stage s >= 1
+    holds at its peak at most s + 1 micro-batches that ran B and wait for W (torch's order), each with its
+    carried gradients; stage 0 none (its B is empty: its whole backward is W). A micro-batch's B frees the
+    activations only B reads, which this leaves counted: an upper bound of the peak, never under it. On this
+    CPU (`benchmarks/pipeline_memory.py`: GPT 4 x 512, pp2, m8) the last stage's step peaked 195 MiB above
+    1F1B's, predicted 288 with the carried gradients, 136 without (the runtime then outgrew the plan)."""
+    counts = [chunk_in_flight(schedule, p, m, k, v) for k in range(p * v)]
+    if schedule != ZERO_BUBBLE:
+        return [(c, 0) for c in counts]
+    return [(c, _zero_bubble_order(p, m)[2][k] if k else 0) for k, c in enumerate(counts)]
+
+
+def _stage_memory(layers: Sequence[LayerCost], counts: Sequence[tuple[float, int]]) -> dict[tuple, np.ndarray]:
+    """M_k[a, b] for each distinct (in-flight, carried) count (`_memory_counts`): state (shared copies
+    included) + in-flight * activations + carried * carried gradients."""
     state = _segment(_prefix(layers, "state_bytes")) + _shared(layers, 1)
     act = _segment(_prefix(layers, "activation_bytes"))
-    return {c: state + c * act for c in set(counts)}
+    carried = _segment(_prefix(layers, "carried_bytes")) if any(w for _, w in counts) else None
+    return {(c, w): state + c * act + (w * carried if w else 0.0) for c, w in set(counts)}
 
 
 def _shared(layers: Sequence[LayerCost], field: int) -> np.ndarray:
@@ -325,7 +347,7 @@ def partition(layers: Sequence[LayerCost], p: int, m: int, schedule: str, *, p2p
     if chunks > n:
         raise InputError(f"{chunks} stages for {n} layers: every stage needs at least one layer")
     T = stage_time_matrix(layers, p2p_time)
-    counts = [chunk_in_flight(schedule, p, m, k, vv) for k in range(chunks)]
+    counts = _memory_counts(schedule, p, m, vv)
     mem = _stage_memory(layers, counts)
     budget = np.inf if memory_budget is None else float(memory_budget)
     weight = m * vv - 1   # gpipe/1f1b: m - 1; interleaved: (m - 1/v) * v
@@ -354,7 +376,7 @@ def priced_split(layers: Sequence[LayerCost], bounds: Sequence[int], p: int, m: 
     as `partition` prices the splits it compares: its step time (`overhead` included) and each device's memory."""
     vv = v if schedule == "interleaved_1f1b" else 1
     _check_schedule(schedule, p, m, vv)
-    counts = [chunk_in_flight(schedule, p, m, k, vv) for k in range(p * vv)]
+    counts = _memory_counts(schedule, p, m, vv)
     split = _split(stage_time_matrix(layers, p2p_time), _stage_memory(layers, counts), counts, list(bounds), m,
                    schedule, vv, _prefix(layers, "per_step"), _shared(layers, 2), _parts(layers, schedule))
     return dataclasses.replace(split, step_time=split.step_time + overhead) if overhead else split
@@ -442,7 +464,7 @@ def chunk_in_flight(schedule: str, p: int, m: int, chunk: int, v: int) -> float:
     return in_flight(schedule, p, m, chunk % p, v) / v
 
 
-def _min_memory(mem: dict, counts: list[float], T: np.ndarray) -> float:
+def _min_memory(mem: dict, counts: list[tuple], T: np.ndarray) -> float:
     """The least, over all splits, of the fullest stage's memory (bisection on the distinct values)."""
     values = np.unique(np.concatenate([m_[np.isfinite(m_)] for m_ in mem.values()]))
     lo, hi = 0, len(values) - 1
