@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
 MiB = 2 ** 20
@@ -34,8 +35,8 @@ def _status(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def rank_main(schedule: str) -> None:
-    """One rank of the torchrun job: plan, warm up, measure one step; prints one JSON line."""
+def rank_main(schedule: str, out_dir: str) -> None:
+    """One rank of the torchrun job: plan, warm up, measure one step; writes OUT_DIR/rank<r>.json."""
     import warnings
     warnings.simplefilter("ignore")
     import torch
@@ -60,28 +61,34 @@ def rank_main(schedule: str) -> None:
     pmodel.train_step(*batch)
     growth = _status("VmHWM") - before
     rank = dist.get_rank()
-    print(json.dumps({"schedule": schedule, "rank": rank, "measured": growth,
-                      "predicted": pmodel.plan.stages[rank].memory}), flush=True)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"schedule": schedule, "rank": rank, "measured": growth, "predicted": pmodel.plan.stages[rank].memory}, f)
     dist.destroy_process_group()
 
 
 def run(schedule: str) -> list[dict]:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", __file__, "--rank-main", schedule]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    if out.returncode or len(rows) != 2:
-        raise RuntimeError(f"{schedule}: torchrun failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
-    return sorted(rows, key=lambda r: r["rank"])
+    with tempfile.TemporaryDirectory() as out_dir:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", __file__, "--rank-main",
+               schedule, "--out-dir", out_dir]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+        if out.returncode:
+            raise RuntimeError(f"{schedule}: torchrun failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
+        rows = []
+        for rank in range(2):
+            with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
+                rows.append(json.load(f))
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     ap.add_argument("--rank-main", help=argparse.SUPPRESS)
+    ap.add_argument("--out-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank_main:
-        rank_main(args.rank_main)
+        rank_main(args.rank_main, args.out_dir)
         return
     schedules = list(dict.fromkeys(["1f1b", *args.schedules]))   # the reference
     rows = {s: run(s) for s in schedules}

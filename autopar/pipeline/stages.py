@@ -276,9 +276,11 @@ def _memory_counts(schedule: str, p: int, m: int, v: int) -> list[tuple[float, i
     gradients it keeps: `LayerCost.carried_bytes`); the keys of `_stage_memory`. Zero bubble: stage s >= 1
     holds at its peak at most s + 1 micro-batches that ran B and wait for W (torch's order), each with its
     carried gradients; stage 0 none (its B is empty: its whole backward is W). A micro-batch's B frees the
-    activations only B reads, which this leaves counted: an upper bound of the peak, never under it. On this
-    CPU (`benchmarks/pipeline_memory.py`: GPT 4 x 512, pp2, m8) the last stage's step peaked 195 MiB above
-    1F1B's, predicted 288 with the carried gradients, 136 without (the runtime then outgrew the plan)."""
+    activations only B reads, which this leaves counted: an upper bound of the peak. On this CPU
+    (`benchmarks/pipeline_memory.py`: GPT 4 x 512, pp2, m8) the last stage's step peaked 196 MiB above
+    1F1B's: predicted 288, and 136 without the carried gradients (the runtime outgrew that plan); counting
+    B's freeing exactly (torch's order, the activations W reads kept) also gives 136, under the measured peak,
+    so the bound stays."""
     counts = [chunk_in_flight(schedule, p, m, k, v) for k in range(p * v)]
     if schedule != ZERO_BUBBLE:
         return [(c, 0) for c in counts]
