@@ -56,8 +56,25 @@ def _worker(rank, world, port, fn, args, queue, parent):
             dist.destroy_process_group()
 
 
+def _died(p) -> str:
+    """How an exited rank ended: 'exit code 1', or the signal that killed it ('SIGSEGV', a native crash)."""
+    import signal
+    if p.exitcode is not None and p.exitcode < 0:
+        try:
+            return signal.Signals(-p.exitcode).name
+        except ValueError:
+            return f"signal {-p.exitcode}"
+    return f"exit code {p.exitcode}"
+
+
 def run_distributed(fn, world: int, *args, timeout: float = 240.0) -> list:
-    """fn(rank, world, *args) on `world` ranks; returns the results in rank order."""
+    """fn(rank, world, *args) on `world` ranks; returns the results in rank order.
+
+    Fails with the first rank's traceback when one raises; fails within seconds when a rank dies without
+    reporting (a native crash: its signal is named, faulthandler has printed its threads' stacks to stderr),
+    instead of waiting out `timeout` while the other ranks hang in a collective or report alone."""
+    import queue as queue_module
+    import time
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -66,21 +83,42 @@ def run_distributed(fn, world: int, *args, timeout: float = 240.0) -> list:
     for p in procs:
         p.start()
     results, errors = {}, []
+    deadline = time.monotonic() + timeout
+    exited = {}   # rank -> when it was first seen exited without having reported
+    announced = set()   # ranks whose death is already in `errors`
     try:
-        for _ in range(world):
-            rank, status, value = queue.get(timeout=timeout)
+        while len(results) < world and not errors:
+            try:
+                rank, status, value = queue.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            except queue_module.Empty:
+                now = time.monotonic()
+                for r, p in enumerate(procs):
+                    if r not in results and not p.is_alive():
+                        exited.setdefault(r, now)
+                # a rank's result is in the pipe before its process ends: wait a little for it, then fail
+                dead = [r for r, t in exited.items() if r not in results and now - t > 5.0]
+                if dead:
+                    announced.update(dead)
+                    errors += [f"rank {r} died ({_died(procs[r])}) without reporting: its stderr above has "
+                               f"faulthandler's stacks" for r in dead]
+                elif now >= deadline:
+                    errors.append(f"timed out after {timeout}s waiting for ranks "
+                                  f"{sorted(set(range(world)) - set(results))}")
+                continue
             if status == "ok":
                 results[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 errors.append(f"rank {rank}:\n{value}")
-                break
-    except Exception as e:  # queue.Empty on timeout
-        errors.append(f"timed out after {timeout}s waiting for ranks ({type(e).__name__})")
     finally:
         for p in procs:
-            p.join(timeout=5)
+            p.join(timeout=0 if errors else 5)
+        # a rank killed by a signal is the cause of what the others then report (a peer gone in a collective)
+        errors[:0] = [f"rank {r} died ({_died(p)}): its stderr above has faulthandler's stacks"
+                      for r, p in enumerate(procs) if (p.exitcode or 0) < 0 and r not in announced]
+        for p in procs:
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)
     if errors:
         raise AssertionError("distributed run failed:\n" + "\n".join(errors))
     return [results[r] for r in range(world)]
