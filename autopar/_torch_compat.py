@@ -212,15 +212,16 @@ def compile_counters() -> dict:
     return {family: dict(c) for family, c in counters.items()}
 
 
-def zero_bubble_order(p: int, m: int) -> list[list[tuple[int, str, int]]]:
-    """The actions each pipeline rank runs under torch's ScheduleInterleavedZeroBubble with one stage per rank,
-    as (stage, "F" | "I" | "W" | "B", micro-batch) in order ("I": input gradients, "W": weight gradients,
-    "B": both), from the schedule's own private order builder, called without building stages."""
+def zero_bubble_order(p: int, m: int, v: int = 1) -> list[list[tuple[int, str, int]]]:
+    """The actions each pipeline rank runs under torch's ScheduleInterleavedZeroBubble with v stages per rank
+    (rank r holds stages r, r + p, ...), as (stage, "F" | "I" | "W" | "B", micro-batch) in order ("I": input
+    gradients, "W": weight gradients, "B": both), from the schedule's own private order builder, called
+    without building stages."""
     import types
 
     from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble as zb
     rounds = max(1, m // p)
-    fake = types.SimpleNamespace(n_local_stages=1, pp_group_size=p, _n_microbatches=m, number_of_rounds=rounds,
+    fake = types.SimpleNamespace(n_local_stages=v, pp_group_size=p, _n_microbatches=m, number_of_rounds=rounds,
                                  microbatches_per_round=m // rounds)
     fake.pipeline_order = {r: zb._calculate_single_rank_operations(fake, r) for r in range(p)}
     names = {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "B"}

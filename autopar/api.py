@@ -50,7 +50,8 @@ def plan(model: nn.Module, example_inputs, *, mesh: Mesh | tuple, strategy: Stra
     data x tensor layouts of the same devices that could beat them (`autopar.pipeline.auto`); the plan's
     mesh is the layout chosen ("pp" first when pipelined).
     `num_stages=p` (or a mesh whose first axis is "pp") forces a pipeline of p stages, run with
-    `schedule` ("gpipe", "1f1b", "interleaved_1f1b" with `virtual_stages` chunks per device, "zero_bubble") over
+    `schedule` ("gpipe", "1f1b", "zero_bubble", and "interleaved_1f1b" / "interleaved_zero_bubble" with
+    `virtual_stages` chunks per device) over
     `num_microbatches`; `num_stages=None` or 1 plans without stages on `mesh` as given.
     `search="fast"` prices pipelines only when the SPMD plan of the devices as one axis does not fit or
     is over 4x a pipeline's step bound (else planning stays about as fast as SPMD planning); `search="exact"` always runs the branch and bound
@@ -175,7 +176,7 @@ def _search(model, example_inputs, *, mesh: Mesh, memory_budget, optimizer, loss
             search: str = "fast") -> Plan:
     if virtual_stages is not None:
         raise InputError("virtual_stages applies to a forced pipeline (num_stages=p); with num_stages='auto' "
-                         "the search prices interleaved 1F1B with its own chunk count")
+                         "the search prices the interleaved schedules with their own chunk count")
     return plan_auto(model, example_inputs, mesh=mesh, memory_budget=memory_budget, optimizer=optimizer,
                      loss_fn=loss_fn, time_limit=time_limit, example_kwargs=example_kwargs, baselines=baselines,
                      mixed_precision=mixed_precision, recompute=recompute, num_microbatches=num_microbatches,

@@ -134,13 +134,13 @@ def best_recomputed(prof, budget, kw: dict, cutoff: float):
     from autopar.costmodel.memory import parse_bytes
     from autopar.mesh import Mesh
     from autopar.pipeline.search import batch_size, microbatch_counts
-    from autopar.pipeline.stages import INTERLEAVE, partition, step_lower_bound
+    from autopar.pipeline.stages import INTERLEAVE, chunks_per_device, partition, step_lower_bound
     limit, batch, best = parse_bytes(budget), batch_size(prof.inputs), None
     units, jobs = prof.num_units(), []
     for pp, dp, tp in kw["meshes"]:
         for m in microbatch_counts(batch, pp, dp, None if pp > 1 else [1, 2, 4]):
             for schedule in (kw["schedules"] if pp > 1 else ("1f1b",)):
-                v = INTERLEAVE if schedule == "interleaved_1f1b" else 1
+                v = chunks_per_device(schedule)
                 if (v > 1 and m % pp) or pp * v > units:
                     continue
                 bound = step_lower_bound(*prof.seconds_bound(m, dp * tp), pp, m, schedule, INTERLEAVE)

@@ -154,7 +154,7 @@ def test_layer_costs_carried_bytes_are_what_the_runtime_hands_from_b_to_w(name, 
     from autopar.passes.split_stages import graph_units, split_stages
     from autopar.passes.split_weight_grads import with_weight_split
     from autopar.pipeline.layer_profile import layer_costs
-    from autopar.pipeline.stages import _memory_counts
+    from autopar.pipeline.stages import memory_counts
     from autopar.planning import spmd as planner
     from autopar.planning.problem import ProblemBuilder
     from autopar.sharding import recipes
@@ -173,8 +173,8 @@ def test_layer_costs_carried_bytes_are_what_the_runtime_hands_from_b_to_w(name, 
                    if n.op == "placeholder" and n.name.startswith("carried_")) for p in programs]
     assert carried[0] == 0 and carried[1] > 0
     assert sum(c.carried_bytes for c in costs[cut:]) == pytest.approx(carried[1], rel=1e-9)
-    assert [w for _, w in _memory_counts("zero_bubble", 2, 4, 1)] == [0, 2]
-    assert [w for _, w in _memory_counts("1f1b", 2, 4, 1)] == [0, 0]
+    assert [w for _, w in memory_counts("zero_bubble", 2, 4, 1)] == [0, 2]
+    assert [w for _, w in memory_counts("1f1b", 2, 4, 1)] == [0, 0]
 
 
 def test_layer_costs_count_gradient_all_reduces_once_and_reduce_scatters_per_microbatch():
@@ -266,7 +266,7 @@ def test_pipelined_plan_refuses_bad_requests():
     with pytest.raises(InputError, match="whole rounds of 2 micro-batches.*num_microbatches=2 or 4"):
         autopar.plan(case.model, case.args, mesh=autopar.Mesh((2,)), num_stages=2, schedule="interleaved_1f1b",
                      num_microbatches=3)
-    with pytest.raises(InputError, match="virtual_stages=2 applies to schedule='interleaved_1f1b' only"):
+    with pytest.raises(InputError, match="virtual_stages=2 applies to the interleaved schedules only"):
         autopar.plan(case.model, case.args, mesh=autopar.Mesh((2,)), num_stages=2, schedule="1f1b",
                      virtual_stages=2)
     with pytest.raises(InputError, match="zero_bubble.*2 rounds for 5 micro-batches.*multiple of 2"):
@@ -304,7 +304,7 @@ def _compare(results, case, batches, kws, world):
         for key, want in ref_state.items():
             torch.testing.assert_close(state[key], want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{label} {key}: {m}")
         plan = autopar.Plan.from_json(results[0][i]["plan"])
-        v = kw.get("virtual_stages", 2) if kw.get("schedule") == "interleaved_1f1b" else 1
+        v = kw.get("virtual_stages", 2) if kw.get("schedule") in ("interleaved_1f1b", "interleaved_zero_bubble") else 1
         assert plan.mesh.axis_names[0] == "pp" and len(plan.stages) == 2 * v, label   # p*v chunks
         assert [st.ranks for st in plan.stages] == [plan.stages[k % 2].ranks for k in range(2 * v)], label
         # each rank registers only its own stage's parameters; together they are the whole model
@@ -337,16 +337,18 @@ def test_pp2_matches_single_process(name):
 def test_zero_bubble_matches_single_process(name):
     """schedule="zero_bubble" (torch's ScheduleInterleavedZeroBubble, ZB-H1): each stage's backward runs as B
     (input gradients) and, later, W (parameter gradients; passes/split_weight_grads.py). pp=2 at world 2, 2 and
-    4 micro-batches: losses of 3 AdamW steps, every parameter and a forward-only evaluation equal one process,
-    and every micro-batch ran one B and one W on each stage, never the whole backward."""
+    4 micro-batches, and "interleaved_zero_bubble" (the same schedule on 2 chunks per device: 4 chunks, rank d
+    holding d and d + 2), 4 micro-batches: losses of 3 AdamW steps, every parameter and a forward-only evaluation
+    equal one process, and every micro-batch ran one B and one W on each chunk, never the whole backward."""
     case = models.tiny_gpt(n_layer=4, batch=4, seq=16) if name == "gpt" else models.tiny_llama(batch=4, seq=16)
     batches = models.zoo_batches(case, STEPS)
     kws = [dict(num_stages=2, schedule="zero_bubble", num_microbatches=m) for m in (2, 4)]
+    kws.append(dict(num_stages=2, schedule="interleaved_zero_bubble", num_microbatches=4))
     results = run_distributed(train_pipelined, 2, case.model, batches, STEPS, kws, timeout=600)
     _compare(results, case, batches, kws, 2)
     for rank in range(2):
         for i, kw in enumerate(kws):
-            m = kw["num_microbatches"]
+            m = kw["num_microbatches"] * (2 if kw["schedule"] == "interleaved_zero_bubble" else 1)   # per chunk
             assert results[rank][i]["runs"] == {"forward": m, "backward_input": m, "backward_weight": m}, (rank, kw)
 
 

@@ -14,6 +14,7 @@ from autopar.pipeline.stages import (
     bubble_fraction,
     chunk_in_flight,
     in_flight,
+    memory_counts,
     mesh_factorizations,
     partition,
     schedule_step_time,
@@ -289,3 +290,48 @@ def test_zero_bubble_partition_prices_its_split_by_the_order():
                                   m, "zero_bubble", weight=[sum(x.weight for x in s) for s in stages])
         assert zb.step_time == pytest.approx(want + max(sum(x.per_step for x in s) for s in stages))
         assert zb.step_time <= partition(layers, p, m, "1f1b", p2p_time=lambda b: 0.0).step_time * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
+def test_interleaved_zero_bubble_step_below_zb_h1_when_balanced(p, m):
+    """schedule="interleaved_zero_bubble": torch's ZB1P order on v = 2 chunks per device (chunk k on device
+    k % p), priced by its dependency graph. Balanced (each chunk half a stage's F, B and W): never below the
+    device's own work, 3m, and its fill and drain shorter than ZB-H1's on one chunk (p - 1)(F + B - W), as
+    interleaving shrinks a pipeline's bubble; the bubble formula's fill is one chunk's; a device keeps as many
+    activations (chunk-micro-batches / v) as ZB-H1's stage, and W waits on chunks past the first only."""
+    n = 2 * p
+    step = schedule_step_time([0.5] * n, [1.0] * n, m, "interleaved_zero_bubble", weight=[0.5] * n, v=2)
+    assert 3 * m <= step < 3 * m + (p - 1)
+    assert bubble_fraction(p, m, "interleaved_zero_bubble", v=2) == pytest.approx((p - 1) / (6 * m + p - 1))
+    assert [chunk_in_flight("interleaved_zero_bubble", p, m, k, 2) * 2 for k in range(p)] == \
+        [in_flight("zero_bubble", p, m, k) * 2 for k in range(p)]
+    counts = memory_counts("interleaved_zero_bubble", p, m, 2)
+    assert counts[0][1] == 0 and all(w > 0 for _, w in counts[1:])   # chunk 0's B is empty: nothing carried
+
+
+def test_interleaved_zero_bubble_partition_prices_its_split_by_the_order():
+    """partition(schedule="interleaved_zero_bubble", v=2) returns p * v chunks, chunk k on device k % p, whose step
+    is the order's own price of its chunks and whose devices' memory is their chunks' sum within the budget; under
+    a budget its budget-free split fits, no split slower than that one."""
+    rng = random.Random(7)
+    for _ in range(20):
+        p = rng.randint(2, 3)
+        n, m = rng.randint(2 * p, 9), p * rng.randint(1, 3)
+        layers = [dataclasses.replace(x, weight=0.4 * x.backward, carried_bytes=0.3 * x.activation_bytes)
+                  for x in _random_layers(rng, n)]
+        free = partition(layers, p, m, "interleaved_zero_bubble", p2p_time=lambda b: 0.0, v=2)
+        budget = 1.1 * max(free.stage_memory)
+        # the budget-free split fits: partition keeps it (the shares alone missed 7 of these 20)
+        got = partition(layers, p, m, "interleaved_zero_bubble", p2p_time=lambda b: 0.0, v=2, memory_budget=budget)
+        assert got.step_time <= free.step_time * (1 + 1e-12)
+        assert len(got.bounds) == 2 * p and max(got.stage_memory) <= budget * (1 + 1e-12)
+        ends = list(got.bounds[1:]) + [n]
+        chunks = [layers[a:b] for a, b in zip(got.bounds, ends)]
+        want = schedule_step_time([sum(x.forward for x in c) for c in chunks], [sum(x.backward for x in c) for c in chunks],
+                                  m, "interleaved_zero_bubble", weight=[sum(x.weight for x in c) for c in chunks], v=2)
+        per_step = [sum(x.per_step for c in chunks[d::p] for x in c) for d in range(p)]
+        assert got.step_time == pytest.approx(want + max(per_step))
+        counts = memory_counts("interleaved_zero_bubble", p, m, 2)
+        memory = [sum(x.state_bytes + a * x.activation_bytes + w * x.carried_bytes for x in c)
+                  for c, (a, w) in zip(chunks, counts)]
+        assert got.stage_memory == pytest.approx([sum(memory[d::p]) for d in range(p)])

@@ -67,7 +67,7 @@ from autopar.pipeline import planning as pipelined
 from autopar.pipeline import regrid
 from autopar.pipeline.candidates import Candidate, branch_and_bound
 from autopar.pipeline.search import DEFAULT_SCHEDULES, Profiler, batch_size, candidate_jobs, state_floor
-from autopar.pipeline.stages import INTERLEAVE, step_lower_bound
+from autopar.pipeline.stages import INTERLEAVE, chunks_per_device, step_lower_bound
 from autopar.plan import Plan
 from autopar.planning import assemble, collector, spmd
 from autopar.sharding import recipes
@@ -262,7 +262,7 @@ def pipelined_plan(prof: Profiler, best: Candidate, model, budget, timer) -> Pla
     one_stage = spmd.assemble_plan(prob, cap, sub, "auto", wanted, None, sol, "", {}, timer, model, inputs)
     one_stage = assemble.with_recompute(one_stage, prob, sol.choice, rc)
     full = Mesh((best.pp, *sub.shape), ("pp", *sub.axis_names), prof.hardware, prof.dpn)
-    v = INTERLEAVE if best.schedule == "interleaved_1f1b" else 1
+    v = chunks_per_device(best.schedule)
     return pipelined.widen(one_stage, full, layers, best.split, m, best.schedule, budget, cap, v)
 
 

@@ -68,10 +68,11 @@ from autopar.errors import InfeasiblePlanError
 from autopar.mesh import Mesh
 from autopar.pipeline.stages import (
     INTERLEAVE,
-    ZERO_BUBBLE,
+    ZERO_BUBBLES,
     LayerCost,
     StageSplit,
     chunk_in_flight,
+    chunks_per_device,
     partition,
     priced_split,
     step_lower_bound,
@@ -151,7 +152,7 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
                 continue   # accumulation that only recompute could fit: `price` prices none for one stage
             bound = step_lower_bound(ops, step, pp, m, s, INTERLEAVE)
             needs = pp > 1 and _needs_recompute(prof, pp, dp * tp, m, s, budget)
-            if fast and s == ZERO_BUBBLE and needs:
+            if fast and s in ZERO_BUBBLES and needs:
                 continue   # zero bubble keeps pp micro-batches on every stage: where only recompute fits, fast leaves it
             if recompute and strategy is None and needs:
                 # only recompute can make it fit (`price`): at least what freeing the excess re-runs
@@ -238,7 +239,7 @@ def _excess(prof: Profiler, pp: int, k: int, m: int, schedule: str, budget: floa
 
 def _inverse_in_flight(pp: int, m: int, schedule: str) -> float | None:
     """Σ_c 1 / in-flight(c) over the schedule's chunks; None where a chunk keeps no micro-batch."""
-    v = INTERLEAVE if schedule == "interleaved_1f1b" else 1
+    v = chunks_per_device(schedule)
     counts = [chunk_in_flight(schedule, pp, m, c, v) for c in range(pp * v)]
     return None if min(counts) <= 0 else sum(1.0 / c for c in counts)
 
@@ -273,10 +274,10 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
     p2p = (lambda nbytes: full.p2p_time(nbytes, "pp")) if pp > 1 else (lambda nbytes: 0.0)
     out = []
     for schedule in schedules:
-        v = INTERLEAVE if schedule == "interleaved_1f1b" else 1
+        v = chunks_per_device(schedule)
         if v > 1 and m % pp:
             continue  # interleaving needs whole rounds of pp micro-batches
-        if schedule == ZERO_BUBBLE and m % max(1, m // pp):
+        if schedule in ZERO_BUBBLES and m % max(1, m // pp):
             continue  # torch's zero-bubble order runs rounds of equal size (`planning.schedule_options`)
         best, least, held = None, float("inf"), None   # held: (state, activation) bytes of the last plan
         skipped, solved = "", []   # solved: the (row, weight, step weight) whose SPMD plans were found, loosest first

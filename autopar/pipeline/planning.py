@@ -48,7 +48,15 @@ from autopar.debug import PhaseTimer
 from autopar.errors import InfeasiblePlanError, InputError, MeshError
 from autopar.mesh import Mesh
 from autopar.pipeline.layer_profile import layer_costs, step_weighted
-from autopar.pipeline.stages import INTERLEAVE, SCHEDULES, ZERO_BUBBLE, chunk_in_flight, partition, step_weight
+from autopar.pipeline.stages import (
+    INTERLEAVE,
+    INTERLEAVED,
+    SCHEDULES,
+    ZERO_BUBBLE,
+    chunk_in_flight,
+    partition,
+    step_weight,
+)
 from autopar.plan import NodeChoice, ParamPlacement, Plan, StagePlan
 from autopar.planning import assemble, spmd
 from autopar.planning import recompute as recompute_mod
@@ -58,7 +66,6 @@ from autopar.sharding import recipes
 
 PP = "pp"
 DEFAULT_SCHEDULE = "1f1b"
-INTERLEAVED = "interleaved_1f1b"
 
 
 def pipeline_mesh(mesh: Mesh, num_stages: int | None) -> Mesh:
@@ -94,9 +101,10 @@ def schedule_options(num_stages, num_microbatches, schedule, virtual_stages=None
     m = num_stages if num_microbatches is None else num_microbatches
     if not isinstance(m, int) or m < 1:
         raise InputError(f"num_microbatches must be a positive int, got {m!r}")
-    if schedule != INTERLEAVED:
+    if schedule not in INTERLEAVED:
         if virtual_stages not in (None, 1):
-            raise InputError(f"virtual_stages={virtual_stages!r} applies to schedule='{INTERLEAVED}' only")
+            raise InputError(f"virtual_stages={virtual_stages!r} applies to the interleaved schedules only: "
+                             f"{INTERLEAVED}")
         rounds = max(1, m // num_stages)
         if schedule == ZERO_BUBBLE and m % rounds:
             raise InputError(f"schedule='{ZERO_BUBBLE}' runs rounds of equal size (torch's "
@@ -109,7 +117,7 @@ def schedule_options(num_stages, num_microbatches, schedule, virtual_stages=None
         raise InputError(f"virtual_stages (chunks per device) must be a positive int, got {v!r}")
     if m % num_stages:
         near = sorted({num_stages * max(1, m // num_stages), num_stages * (m // num_stages + 1)})
-        raise InputError(f"schedule='{INTERLEAVED}' runs whole rounds of {num_stages} micro-batches (one per "
+        raise InputError(f"schedule='{schedule}' runs whole rounds of {num_stages} micro-batches (one per "
                          f"stage); num_microbatches={m} is not a multiple of {num_stages}: pass num_microbatches="
                          + " or ".join(map(str, near)))
     return m, schedule, v
@@ -359,13 +367,13 @@ def widen(one_stage: Plan, mesh: Mesh, layers, split, m: int, schedule: str, bud
 
 def _chunk_memory(layers, bounds: list[int], schedule: str, p: int, m: int, v: int) -> list[float]:
     """Bytes per device of each interleaved chunk: its state plus its share of the device's in-flight
-    activations (`stages.partition`'s count; a device's memory is the sum over its chunks)."""
-    from autopar.pipeline.stages import in_flight
+    activations and, under zero bubble, of its carried gradients (`stages.memory_counts`, as
+    `stages.partition` counts them; a device's memory is the sum over its chunks)."""
+    from autopar.pipeline.stages import memory_counts
     out = []
-    for k in range(p * v):
+    for k, (count, carried) in enumerate(memory_counts(schedule, p, m, v)):
         units = layers[bounds[k]:bounds[k + 1]]
-        count = in_flight(schedule, p, m, k % p, v) / v
-        out.append(sum(l.state_bytes for l in units) + count * sum(l.activation_bytes for l in units))
+        out.append(sum(l.state_bytes + count * l.activation_bytes + carried * l.carried_bytes for l in units))
     return out
 
 

@@ -66,6 +66,7 @@ from autopar.passes.split_stages import StageProgram, split_stages
 from autopar.passes.split_weight_grads import with_weight_split
 from autopar.pipeline import planning as pp
 from autopar.pipeline.stage_module import StageModule
+from autopar.pipeline.stages import ZERO_BUBBLES
 from autopar.plan import Plan
 from autopar.planning.spmd import fingerprint
 from autopar.runtime import checkpoint, optim, safetensors_io, state
@@ -74,10 +75,14 @@ from autopar.runtime.batch import BatchLayout, DataParallelInputs, input_reads
 from autopar.runtime.materialize import is_meta, model_tensors
 from autopar.runtime.tensors import get_tensor, set_tensor
 
+# zero bubble is torch's ZB1P (ScheduleInterleavedZeroBubble) on one chunk per device, interleaved zero bubble the
+# same on v chunks per device
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
-                    "zero_bubble": ScheduleInterleavedZeroBubble}   # ZB-H1 (torch's ZB1P) on one chunk per device
-MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")   # schedules that take a list of this rank's PipelineStages
-SPLIT_BACKWARD = ("zero_bubble",)   # schedules that run B and W apart (passes/split_weight_grads.py)
+                    "zero_bubble": ScheduleInterleavedZeroBubble,
+                    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble}
+# schedules that take a list of this rank's PipelineStages
+MULTI_STAGE = ("interleaved_1f1b", "zero_bubble", "interleaved_zero_bubble")
+SPLIT_BACKWARD = ZERO_BUBBLES   # schedules that run B and W apart (passes/split_weight_grads.py)
 
 
 def parallelize_pipelined(model: nn.Module, example_inputs: tuple, *, mesh: Mesh, plan: Plan | None,

@@ -32,7 +32,7 @@ in_flight is m for GPipe (every micro-batch's activations are kept until the bac
 min(m, p - k) for 1F1B (stage k runs p - k forwards before its first backward) and, for zero bubble,
 the peak count of forwards whose W has not run in torch's order (min(m, p) on every stage), plus on
 stages k >= 1 the gradients B hands W (`LayerCost.carried_bytes`) of the most micro-batches waiting
-between their B and W (k + 1): an upper bound (`_memory_counts`; measured: benchmarks/pipeline_memory.py).
+between their B and W (k + 1): an upper bound (`memory_counts`; measured: benchmarks/pipeline_memory.py).
 
 `partition` is exact for gpipe and 1f1b. With T[a, b] the stage-time matrix and mask_k[a, b] the
 memory-fits matrix of stage k, the objective sum_k T_k + (m-1) max_k T_k is minimised by
@@ -70,10 +70,18 @@ import numpy as np
 from autopar.costmodel.memory import format_bytes
 from autopar.errors import InfeasiblePlanError, InputError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "interleaved_zero_bubble")
 ZERO_BUBBLE = "zero_bubble"
+INTERLEAVED_ZERO_BUBBLE = "interleaved_zero_bubble"
+ZERO_BUBBLES = (ZERO_BUBBLE, INTERLEAVED_ZERO_BUBBLE)       # B and W apart, in torch's ZB1P order
+INTERLEAVED = ("interleaved_1f1b", INTERLEAVED_ZERO_BUBBLE)  # v chunks per device, "loop" placement
 ROUND_SHARES = (0.4, 0.6)   # `_round_shares`: the first round's share of a device's budget, besides 1 / v
-INTERLEAVE = 2            # chunks per device (v) of interleaved_1f1b, unless the caller says otherwise
+INTERLEAVE = 2            # chunks per device (v) of the interleaved schedules, unless the caller says otherwise
+
+
+def chunks_per_device(schedule: str, v: int = INTERLEAVE) -> int:
+    """v for the interleaved schedules (`INTERLEAVED`), 1 for the others."""
+    return v if schedule in INTERLEAVED else 1
 
 
 @dataclass(frozen=True)
@@ -94,7 +102,7 @@ class LayerCost:
     shared: tuple = ()
     weight: float = 0.0       # seconds of `backward` that only parameter gradients need (zero-bubble's W)
     carried_bytes: float = 0.0   # per device per micro-batch: the gradients zero bubble's B hands its W, held
-                                 # from B until W runs (zero bubble only: `_memory_counts`)
+                                 # from B until W runs (zero bubble only: `memory_counts`)
 
 
 @dataclass(frozen=True)
@@ -116,26 +124,28 @@ def _check_schedule(schedule: str, p: int, m: int, v: int) -> None:
 
 def bubble_fraction(p: int, m: int, schedule: str, v: int = 1) -> float:
     """Idle fraction of a balanced pipeline: (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1); zero bubble
-    (ZB-H1, with forward, input-gradient and weight-gradient times equal) (p-1)/(3m+p-1)."""
+    (ZB-H1, with forward, input-gradient and weight-gradient times equal) (p-1)/(3m+p-1), interleaved
+    (p-1)/(3vm+p-1): the fill and drain of one chunk's F, B and W (the split's own figure is simulated)."""
     _check_schedule(schedule, p, m, v)
-    if schedule == ZERO_BUBBLE:
-        return (p - 1) / (3 * m + p - 1)
-    vv = v if schedule == "interleaved_1f1b" else 1
+    vv = chunks_per_device(schedule, v)
+    if schedule in ZERO_BUBBLES:
+        return (p - 1) / (3 * vv * m + p - 1)
     return (p - 1) / (vv * m + p - 1)
 
 
 def in_flight(schedule: str, p: int, m: int, stage: int, v: int = 1) -> int:
     """Micro-batches whose activations stage `stage` keeps at its peak: GPipe m, 1F1B min(m, p - stage), zero
     bubble the most forwards whose W has not run at any point of torch's order.
-    Interleaved: counted in chunk-micro-batches (Megatron's warm-up, 2(p-d-1) + (v-1)p + 1, capped
-    at m*v); the caller scales it by the device's activations / v."""
+    Interleaved: counted in chunk-micro-batches on device `stage` (1F1B: Megatron's warm-up, 2(p-d-1) +
+    (v-1)p + 1, capped at m*v; zero bubble: the peak of torch's order over the device's chunks); the caller
+    scales it by the device's activations / v."""
     _check_schedule(schedule, p, m, v)
     if schedule == "gpipe":
         return m
     if schedule == "1f1b":
         return min(m, p - stage)
-    if schedule == ZERO_BUBBLE:   # forwards whose W has not run yet, at the peak of torch's own order
-        return _zero_bubble_order(p, m)[1][stage]
+    if schedule in ZERO_BUBBLES:   # forwards whose W has not run yet, at the peak of torch's own order
+        return _zero_bubble_order(p, m, chunks_per_device(schedule, v))[1][stage]
     return min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
 
 
@@ -146,25 +156,28 @@ def schedule_step_time(fwd: Sequence[float], bwd: Sequence[float], m: int, sched
     micro-batch, charged to the sending stage. gpipe/1f1b: sum t + (m-1) max t. zero_bubble: `weight`
     (per stage, the part of `bwd` that only parameter gradients need) runs apart, as torch's order says."""
     n = len(fwd)
-    vv = v if schedule == "interleaved_1f1b" else 1
+    vv = chunks_per_device(schedule, v)
     _check_schedule(schedule, max(n // vv, 1), m, vv)
     if n != len(bwd) or n % vv:
         raise InputError(f"{len(fwd)} forward and {len(bwd)} backward times for v={vv} chunks per stage")
     cut = p2p * (np.r_[0.0, np.ones(n - 1)] + np.r_[np.ones(n - 1), 0.0])
-    if schedule == ZERO_BUBBLE:
+    if schedule in ZERO_BUBBLES:
         w = np.zeros(n) if weight is None else np.asarray(weight, float)
-        return zero_bubble_step(np.asarray(fwd, float) + cut / 2, np.asarray(bwd, float) - w + cut / 2, w, m)
+        return zero_bubble_step(np.asarray(fwd, float) + cut / 2, np.asarray(bwd, float) - w + cut / 2, w, m, vv)
     t = np.asarray(fwd, float) + np.asarray(bwd, float) + cut
     return _step(t, m, schedule, vv)
 
 
 @functools.lru_cache(maxsize=32)
-def _zero_bubble_order(p: int, m: int) -> tuple[tuple, tuple[int, ...], tuple[int, ...]]:
-    """torch's ZB-H1 order on p stages, m micro-batches (`compat.zero_bubble_order`) as a dependency graph:
-    actions (stage, kind, previous action of the rank, actions it waits for) in an order that respects them;
-    each stage's peak of forwards whose W has not run; and its peak of micro-batches whose B has run and W not."""
+def _zero_bubble_order(p: int, m: int, v: int = 1) -> tuple[tuple, tuple[int, ...], tuple[int, ...]]:
+    """torch's ZB1P order on p devices of v chunks each (stages d, d + p, ...), m micro-batches
+    (`compat.zero_bubble_order`), as a dependency graph: actions (stage, kind, previous action of the rank,
+    actions it waits for) in an order that respects them; each device's peak of forwards whose W has not run
+    (chunk-micro-batches); and its peak of micro-batches whose B has run and W not, on its stages but the
+    first (stage 0's B is empty: the runtime runs its whole backward as W)."""
     from autopar import _torch_compat as compat
-    order = compat.zero_bubble_order(p, m)
+    order = compat.zero_bubble_order(p, m, v)
+    last_stage = p * v - 1
     index: dict = {}
     actions: list = []
     ptr, last = [0] * p, [-1] * p
@@ -178,36 +191,38 @@ def _zero_bubble_order(p: int, m: int) -> tuple[tuple, tuple[int, ...], tuple[in
                 elif kind == "W":
                     deps = [("IB", s, mb)]
                 else:
-                    deps = [("F", s, mb)] + ([("IB", s + 1, mb)] if s < p - 1 else [])
+                    deps = [("F", s, mb)] + ([("IB", s + 1, mb)] if s < last_stage else [])
                 if any(d not in index for d in deps):
                     break
                 index[("F" if kind == "F" else "W" if kind == "W" else "IB", s, mb)] = len(actions)
                 actions.append((s, kind, last[r], tuple(index[d] for d in deps)))
                 last[r], ptr[r], moved = len(actions) - 1, ptr[r] + 1, True
-        assert moved, f"torch's zero-bubble order for p={p}, m={m} deadlocks"
+        assert moved, f"torch's zero-bubble order for p={p}, m={m}, v={v} deadlocks"
     peaks, waiting = [], []
     for r in range(p):
         live = peak = ran_b = most = 0
-        for _, kind, _ in order[r]:
+        for s, kind, _ in order[r]:
             live += kind == "F"
             live -= kind in ("W", "B")
-            ran_b += (kind == "I") - (kind == "W")
+            if s > 0:
+                ran_b += (kind == "I") - (kind == "W")
             peak, most = max(peak, live), max(most, ran_b)
         peaks.append(peak)
         waiting.append(most)
     return tuple(actions), tuple(peaks), tuple(waiting)
 
 
-def zero_bubble_step(f: np.ndarray, b: np.ndarray, w: np.ndarray, m: int) -> float:
-    """The step of torch's zero-bubble order (`_zero_bubble_order`) for per-stage forward `f`, input-gradient
-    `b` and weight-gradient `w` seconds per micro-batch: each action starts when its rank is free and what it
-    waits for is done (the longest path of the order's dependency graph). Stage 0 has no input gradient to
-    send (its inputs are the batch): its whole backward runs as W, as the runtime runs it."""
-    p = len(f)
+def zero_bubble_step(f: np.ndarray, b: np.ndarray, w: np.ndarray, m: int, v: int = 1) -> float:
+    """The step of torch's zero-bubble order (`_zero_bubble_order`) for per-stage (per-chunk: v per device)
+    forward `f`, input-gradient `b` and weight-gradient `w` seconds per micro-batch: each action starts when
+    its rank is free and what it waits for is done (the longest path of the order's dependency graph).
+    Stage 0 has no input gradient to send (its inputs are the batch): its whole backward runs as W, as the
+    runtime runs it."""
+    p = len(f) // v
     b, w = b.copy(), w.copy()
     w[0], b[0] = w[0] + b[0], 0.0
     dur = {"F": f, "I": b, "W": w, "B": b + w}
-    actions = _zero_bubble_order(p, m)[0]
+    actions = _zero_bubble_order(p, m, v)[0]
     end = [0.0] * len(actions)
     for i, (s, kind, prev, deps) in enumerate(actions):
         start = end[prev] if prev >= 0 else 0.0
@@ -244,9 +259,9 @@ def step_lower_bound(per_microbatch: float, per_step: float, p: int, m: int, sch
         interleaved     S / v + (m - 1/v) S / p            (device times D_d >= S / p)
         zero_bubble     m S / p                            (the busiest stage's own work)
     plus max_k per-step >= per_step / p. p2p transfers only add (c >= 0)."""
-    if schedule == ZERO_BUBBLE:   # the busiest stage's work alone: W fills the fill and drain
+    if schedule in ZERO_BUBBLES:   # the busiest device's work alone: W fills the fill and drain
         return per_microbatch * m / p + per_step / p
-    vv = v if schedule == "interleaved_1f1b" else 1
+    vv = chunks_per_device(schedule, v)
     return per_microbatch * (1 / vv + (m - 1 / vv) / p) + per_step / p
 
 
@@ -271,7 +286,7 @@ def stage_time_matrix(layers: Sequence[LayerCost], p2p_time: Callable[[float], f
     return seg + cut[None, :] + incoming[:, None] if n else seg
 
 
-def _memory_counts(schedule: str, p: int, m: int, v: int) -> list[tuple[float, int]]:
+def memory_counts(schedule: str, p: int, m: int, v: int) -> list[tuple[float, int]]:
     """Per chunk, (micro-batches whose activations it keeps: `chunk_in_flight`, micro-batches whose carried
     gradients it keeps: `LayerCost.carried_bytes`); the keys of `_stage_memory`. Zero bubble: stage s >= 1
     holds at its peak at most s + 1 micro-batches that ran B and wait for W (torch's order), each with its
@@ -282,13 +297,15 @@ def _memory_counts(schedule: str, p: int, m: int, v: int) -> list[tuple[float, i
     B's freeing exactly (torch's order, the activations W reads kept) also gives 136, under the measured peak,
     so the bound stays."""
     counts = [chunk_in_flight(schedule, p, m, k, v) for k in range(p * v)]
-    if schedule != ZERO_BUBBLE:
+    if schedule not in ZERO_BUBBLES:
         return [(c, 0) for c in counts]
-    return [(c, _zero_bubble_order(p, m)[2][k] if k else 0) for k, c in enumerate(counts)]
+    # interleaved: a device's peak (chunk-micro-batches) spread over its chunks that have a B, as activations are
+    waiting = _zero_bubble_order(p, m, v)[2]
+    return [(c, waiting[k % p] / (v - (k % p == 0)) if k else 0) for k, c in enumerate(counts)]
 
 
 def _stage_memory(layers: Sequence[LayerCost], counts: Sequence[tuple[float, int]]) -> dict[tuple, np.ndarray]:
-    """M_k[a, b] for each distinct (in-flight, carried) count (`_memory_counts`): state (shared copies
+    """M_k[a, b] for each distinct (in-flight, carried) count (`memory_counts`): state (shared copies
     included) + in-flight * activations + carried * carried gradients."""
     state = _segment(_prefix(layers, "state_bytes")) + _shared(layers, 1)
     act = _segment(_prefix(layers, "activation_bytes"))
@@ -343,25 +360,32 @@ def partition(layers: Sequence[LayerCost], p: int, m: int, schedule: str, *, p2p
     minimising the schedule's step time with every stage's memory within `memory_budget`; the step
     time includes `overhead`, seconds every rank's step pays once (`HardwareSpec.runtime_overhead`).
     Raises InfeasiblePlanError (with min_memory_per_device) when no split fits."""
-    vv = v if schedule == "interleaved_1f1b" else 1
+    vv = chunks_per_device(schedule, v)
     _check_schedule(schedule, p, m, vv)
     n, chunks = len(layers), p * vv
     if chunks > n:
         raise InputError(f"{chunks} stages for {n} layers: every stage needs at least one layer")
     T = stage_time_matrix(layers, p2p_time)
-    counts = _memory_counts(schedule, p, m, vv)
+    counts = memory_counts(schedule, p, m, vv)
     mem = _stage_memory(layers, counts)
     budget = np.inf if memory_budget is None else float(memory_budget)
     weight = m * vv - 1   # gpipe/1f1b: m - 1; interleaved: (m - 1/v) * v
     per_step, shared = _prefix(layers, "per_step"), _shared(layers, 2)
     parts = _parts(layers, schedule)
     best = None
-    for share in _round_shares(vv) if np.isfinite(budget) else [(1.0,) * vv]:
+    shares = _round_shares(vv) if np.isfinite(budget) else [(1.0,) * vv]
+    if vv > 1 and np.isfinite(budget):
+        shares = [None] + shares   # first the budget-free split: kept if its devices fit
+    for share in shares:
         # chunk k (device k % p, round k // p) within share[k // p] of the budget: the device's sum fits
-        masks = [mem[c] <= budget * share[k // p] for k, c in enumerate(counts)]
+        masks = [mem[c] <= (np.inf if share is None else budget * share[k // p]) for k, c in enumerate(counts)]
         found = _scan(T, masks, mem, counts, m, schedule, vv, per_step, shared, weight, parts)
         if found is not None and vv > 1:
-            found = _improve(found, T, mem, counts, m, schedule, vv, per_step, shared, budget)
+            start, found = found, _improve(found, T, mem, counts, m, schedule, vv, per_step, shared,
+                                           np.inf if share is None else budget, parts)
+            if share is None and max(found.stage_memory) > budget:   # the budget-free split does not fit:
+                found = (None if max(start.stage_memory) > budget else   # improve its scan's start under the budget
+                         _improve(start, T, mem, counts, m, schedule, vv, per_step, shared, budget, parts))
         best = found if best is None or (found is not None and found.step_time < best.step_time) else best
     if best is None:
         need = vv * _min_memory(mem, counts, T)
@@ -376,9 +400,9 @@ def priced_split(layers: Sequence[LayerCost], bounds: Sequence[int], p: int, m: 
                  p2p_time: Callable[[float], float], v: int = 1, overhead: float = 0.0) -> StageSplit:
     """The StageSplit of `layers` cut at `bounds` (first unit of each stage, or chunk for interleaved), priced
     as `partition` prices the splits it compares: its step time (`overhead` included) and each device's memory."""
-    vv = v if schedule == "interleaved_1f1b" else 1
+    vv = chunks_per_device(schedule, v)
     _check_schedule(schedule, p, m, vv)
-    counts = _memory_counts(schedule, p, m, vv)
+    counts = memory_counts(schedule, p, m, vv)
     split = _split(stage_time_matrix(layers, p2p_time), _stage_memory(layers, counts), counts, list(bounds), m,
                    schedule, vv, _prefix(layers, "per_step"), _shared(layers, 2), _parts(layers, schedule))
     return dataclasses.replace(split, step_time=split.step_time + overhead) if overhead else split
@@ -391,13 +415,14 @@ def _round_shares(v: int) -> list[tuple[float, ...]]:
     contiguous, so the DP cannot bound their sum directly, and an even share alone misses splits
     whose rounds differ (random models against exhaustive splits, with `_improve`: exact on 35 of 60
     and 7 feasible ones called infeasible, against 30 of 57 and 10 evenly; Llama-3-70B, pp 8, m 32,
-    80 GB: the surrogate's split 7.052 s evenly, 7.008 s with the shares)."""
+    80 GB: the surrogate's split 7.052 s evenly, 7.008 s with the shares). `partition` tries the
+    budget-free split first and keeps it where its devices fit."""
     if v == 1:
         return [(1.0,)]
     return [(1 / v,) * v] + [(a, *[(1 - a) / (v - 1)] * (v - 1)) for a in ROUND_SHARES]
 
 
-def _improve(split: StageSplit, T, mem, counts, m, schedule, v, per_step, shared, budget) -> StageSplit:
+def _improve(split: StageSplit, T, mem, counts, m, schedule, v, per_step, shared, budget, parts=None) -> StageSplit:
     """Move one chunk boundary by one unit while that lowers the step (the schedule's own formula) and
     every device stays within budget (its chunks' sum, exactly). The DP's least-sum split per
     bottleneck ignores which chunks share a device; this pairs them better (Llama-3-70B, pp 8, m 32,
@@ -415,7 +440,7 @@ def _improve(split: StageSplit, T, mem, counts, m, schedule, v, per_step, shared
                 ends = moved[1:] + [n]
                 if not all(np.isfinite(T[a, b - 1]) for a, b in zip(moved, ends)):
                     continue
-                trial = _split(T, mem, counts, moved, m, schedule, v, per_step, shared)
+                trial = _split(T, mem, counts, moved, m, schedule, v, per_step, shared, parts)
                 if max(trial.stage_memory) <= budget and trial.step_time < split.step_time * (1 - 1e-12):
                     split, improved = trial, True
                     break
@@ -436,7 +461,7 @@ def _scan(T, masks, mem, counts, m, schedule, v, per_step, shared, weight, parts
         # every split whose largest chunk is >= bound steps >= (least sum + weight * bound) / v: its
         # sum is >= the least, and the device holding that chunk is busy >= bound per micro-batch
         # (zero bubble: >= m * bound, that stage's own work)
-        least = m * bound if schedule == ZERO_BUBBLE else (free[0] + weight * bound) / v
+        least = m * bound if schedule in ZERO_BUBBLES else (free[0] + weight * bound) / v
         if best is not None and least >= best.step_time:
             break
         found = _least_sum(T, masks, bound)
@@ -461,7 +486,7 @@ def _first_feasible(T: np.ndarray, masks: list[np.ndarray], values: np.ndarray) 
 def chunk_in_flight(schedule: str, p: int, m: int, chunk: int, v: int) -> float:
     """In-flight micro-batches of chunk `chunk` (its stage's count; interleaved spreads a device's
     chunk-micro-batches over its v chunks)."""
-    if schedule != "interleaved_1f1b":
+    if schedule not in INTERLEAVED:
         return in_flight(schedule, p, m, chunk)
     return in_flight(schedule, p, m, chunk % p, v) / v
 
@@ -481,7 +506,7 @@ def _min_memory(mem: dict, counts: list[tuple], T: np.ndarray) -> float:
 
 def _parts(layers: Sequence[LayerCost], schedule: str):
     """(forward, backward, weight) segment matrices, which zero bubble's step needs apart; None otherwise."""
-    if schedule != ZERO_BUBBLE:
+    if schedule not in ZERO_BUBBLES:
         return None
     return tuple(_segment(_prefix(layers, attr)) for attr in ("forward", "backward", "weight"))
 
@@ -491,16 +516,16 @@ def _split(T, mem, counts, bounds, m, schedule, v, per_step: np.ndarray, shared:
     n, p = T.shape[0], len(bounds) // v
     ends = list(bounds[1:]) + [n]
     times = np.array([T[a, b - 1] for a, b in zip(bounds, ends)])
-    if schedule == ZERO_BUBBLE:   # the cut transfers (T's rest), half with the forward, half with B
+    if schedule in ZERO_BUBBLES:   # the cut transfers (T's rest), half with the forward, half with B
         f, bwd, w = (np.array([x[a, b - 1] for a, b in zip(bounds, ends)]) for x in parts)
         cut = times - f - bwd
-        sim = zero_bubble_step(f + cut / 2, bwd - w + cut / 2, w, m)
+        sim = zero_bubble_step(f + cut / 2, bwd - w + cut / 2, w, m, v)
     memory = [float(mem[c][a, b - 1]) for c, a, b in zip(counts, bounds, ends)]
     once = np.array([per_step[b] - per_step[a] + shared[a, b - 1] for a, b in zip(bounds, ends)])
     if v > 1:  # a device holds chunks d, d+p, ...: its memory is their sum
         memory = [sum(memory[d::p]) for d in range(p)]
     once = once.reshape(v, p).sum(axis=0)
-    step = (sim if schedule == ZERO_BUBBLE else _step(times, m, schedule, v)) + float(once.max())
+    step = (sim if schedule in ZERO_BUBBLES else _step(times, m, schedule, v)) + float(once.max())
     busy = (m * times.sum() + once.sum()) / p
     return StageSplit(tuple(int(a) for a in bounds), tuple(float(t) for t in times), tuple(memory), step,
                       float(max(0.0, 1.0 - busy / step)) if step > 0 else 0.0)
