@@ -219,17 +219,33 @@ def zero_bubble_step(f: np.ndarray, b: np.ndarray, w: np.ndarray, m: int, v: int
     Stage 0 has no input gradient to send (its inputs are the batch): its whole backward runs as W, as the
     runtime runs it."""
     p = len(f) // v
-    b, w = b.copy(), w.copy()
+    b, w = np.array(b, float), np.array(w, float)
     w[0], b[0] = w[0] + b[0], 0.0
-    dur = {"F": f, "I": b, "W": w, "B": b + w}
-    actions = _zero_bubble_order(p, m, v)[0]
-    end = [0.0] * len(actions)
-    for i, (s, kind, prev, deps) in enumerate(actions):
-        start = end[prev] if prev >= 0 else 0.0
-        for d in deps:
-            start = end[d] if end[d] > start else start
-        end[i] = start + float(dur[kind][s])
+    kind, stage, prev, dep_a, dep_b = _zero_bubble_arrays(p, m, v)
+    dur = np.stack([np.asarray(f, float), b, w, b + w])[kind, stage].tolist()   # each action's seconds
+    end = [0.0] * (len(dur) + 1)   # end[-1] = 0.0: "no such action"
+    for i, (d, r, x, y) in enumerate(zip(dur, prev, dep_a, dep_b)):
+        start, ex, ey = end[r], end[x], end[y]
+        if ex > start:
+            start = ex
+        if ey > start:
+            start = ey
+        end[i] = start + d
     return max(end)
+
+
+@functools.lru_cache(maxsize=32)
+def _zero_bubble_arrays(p: int, m: int, v: int) -> tuple[np.ndarray, np.ndarray, list, list, list]:
+    """`_zero_bubble_order`'s actions as flat arrays for `zero_bubble_step`'s walk: kind (0 F, 1 I, 2 W, 3 B) and
+    stage per action (numpy, to gather durations), the rank's previous action and up to two actions waited
+    for (lists; -1: none)."""
+    actions = _zero_bubble_order(p, m, v)[0]
+    codes = {"F": 0, "I": 1, "W": 2, "B": 3}
+    kind = np.array([codes[k] for _, k, _, _ in actions], dtype=np.intp)
+    stage = np.array([s for s, _, _, _ in actions], dtype=np.intp)
+    assert all(len(deps) <= 2 for *_, deps in actions)
+    deps = [tuple(deps) + (-1,) * (2 - len(deps)) for *_, deps in actions]
+    return kind, stage, [a[2] for a in actions], [d[0] for d in deps], [d[1] for d in deps]
 
 
 def _step(t: np.ndarray, m: int, schedule: str, v: int) -> float:
@@ -338,11 +354,14 @@ def _least_sum(T: np.ndarray, masks: list[np.ndarray], bound: float) -> tuple[fl
     best = np.full(n + 1, np.inf)   # best[b + 1]: least sum covering units 0..b with k+1 stages
     best[0] = 0.0
     choice = []
+    within = T <= bound
+    cols = np.arange(n)
     for k in range(p):
-        ok = masks[k] & (T <= bound)
-        cand = np.where(ok, best[:n, None] + T, np.inf)   # cand[a, b]: previous stages end at a-1
+        cand = best[:n, None] + T   # cand[a, b]: previous stages end at a-1
+        cand[~(masks[k] & within)] = np.inf
         arg = cand.argmin(axis=0)
-        best = np.r_[np.inf, cand[arg, np.arange(n)]]
+        best[1:] = cand[arg, cols]
+        best[0] = np.inf
         choice.append(arg)
     if not np.isfinite(best[n]):
         return None
@@ -376,16 +395,21 @@ def partition(layers: Sequence[LayerCost], p: int, m: int, schedule: str, *, p2p
     shares = _round_shares(vv) if np.isfinite(budget) else [(1.0,) * vv]
     if vv > 1 and np.isfinite(budget):
         shares = [None] + shares   # first the budget-free split: kept if its devices fit
+    cm = np.stack([mem[c] for c in counts])   # chunk k's memory matrix
     for share in shares:
         # chunk k (device k % p, round k // p) within share[k // p] of the budget: the device's sum fits
         masks = [mem[c] <= (np.inf if share is None else budget * share[k // p]) for k, c in enumerate(counts)]
-        found = _scan(T, masks, mem, counts, m, schedule, vv, per_step, shared, weight, parts)
+        found = _scan(T, masks, cm, m, schedule, vv, per_step, shared, weight, parts)
         if found is not None and vv > 1:
-            start, found = found, _improve(found, T, mem, counts, m, schedule, vv, per_step, shared,
+            start, found = found, _improve(found, T, cm, m, schedule, vv, per_step, shared,
                                            np.inf if share is None else budget, parts)
-            if share is None and max(found.stage_memory) > budget:   # the budget-free split does not fit:
-                found = (None if max(start.stage_memory) > budget else   # improve its scan's start under the budget
-                         _improve(start, T, mem, counts, m, schedule, vv, per_step, shared, budget, parts))
+            if share is None:
+                if max(found.stage_memory) <= budget:
+                    best = found   # the budget-free split fits: no split under the budget is faster
+                    break
+                # else improve its scan's start under the budget, where that fits
+                found = None if max(start.stage_memory) > budget else _improve(
+                    start, T, cm, m, schedule, vv, per_step, shared, budget, parts)
         best = found if best is None or (found is not None and found.step_time < best.step_time) else best
     if best is None:
         need = vv * _min_memory(mem, counts, T)
@@ -403,7 +427,8 @@ def priced_split(layers: Sequence[LayerCost], bounds: Sequence[int], p: int, m: 
     vv = chunks_per_device(schedule, v)
     _check_schedule(schedule, p, m, vv)
     counts = memory_counts(schedule, p, m, vv)
-    split = _split(stage_time_matrix(layers, p2p_time), _stage_memory(layers, counts), counts, list(bounds), m,
+    mem = _stage_memory(layers, counts)
+    split = _split(stage_time_matrix(layers, p2p_time), np.stack([mem[c] for c in counts]), list(bounds), m,
                    schedule, vv, _prefix(layers, "per_step"), _shared(layers, 2), _parts(layers, schedule))
     return dataclasses.replace(split, step_time=split.step_time + overhead) if overhead else split
 
@@ -422,7 +447,7 @@ def _round_shares(v: int) -> list[tuple[float, ...]]:
     return [(1 / v,) * v] + [(a, *[(1 - a) / (v - 1)] * (v - 1)) for a in ROUND_SHARES]
 
 
-def _improve(split: StageSplit, T, mem, counts, m, schedule, v, per_step, shared, budget, parts=None) -> StageSplit:
+def _improve(split: StageSplit, T, cm, m, schedule, v, per_step, shared, budget, parts=None) -> StageSplit:
     """Move one chunk boundary by one unit while that lowers the step (the schedule's own formula) and
     every device stays within budget (its chunks' sum, exactly). The DP's least-sum split per
     bottleneck ignores which chunks share a device; this pairs them better (Llama-3-70B, pp 8, m 32,
@@ -440,8 +465,9 @@ def _improve(split: StageSplit, T, mem, counts, m, schedule, v, per_step, shared
                 ends = moved[1:] + [n]
                 if not all(np.isfinite(T[a, b - 1]) for a, b in zip(moved, ends)):
                     continue
-                trial = _split(T, mem, counts, moved, m, schedule, v, per_step, shared, parts)
-                if max(trial.stage_memory) <= budget and trial.step_time < split.step_time * (1 - 1e-12):
+                goal = split.step_time * (1 - 1e-12)
+                trial = _split(T, cm, moved, m, schedule, v, per_step, shared, parts, budget, goal)
+                if trial is not None and trial.step_time < goal:
                     split, improved = trial, True
                     break
             if improved:
@@ -449,7 +475,7 @@ def _improve(split: StageSplit, T, mem, counts, m, schedule, v, per_step, shared
     return split
 
 
-def _scan(T, masks, mem, counts, m, schedule, v, per_step, shared, weight, parts=None) -> StageSplit | None:
+def _scan(T, masks, cm, m, schedule, v, per_step, shared, weight, parts=None) -> StageSplit | None:
     """The fastest split under `masks` among the least-sum splits of every bottleneck (chunk time)
     B in ascending order, priced by the schedule's own formula (`_split`); None if none fits."""
     free = _least_sum(T, masks, np.inf)
@@ -466,8 +492,9 @@ def _scan(T, masks, mem, counts, m, schedule, v, per_step, shared, weight, parts
             break
         found = _least_sum(T, masks, bound)
         if found is not None:
-            split = _split(T, mem, counts, found[1], m, schedule, v, per_step, shared, parts)
-            best = split if best is None or split.step_time < best.step_time else best
+            split = _split(T, cm, found[1], m, schedule, v, per_step, shared, parts,
+                           cutoff=np.inf if best is None else best.step_time)
+            best = split if split is not None and (best is None or split.step_time < best.step_time) else best
     return best
 
 
@@ -511,23 +538,29 @@ def _parts(layers: Sequence[LayerCost], schedule: str):
     return tuple(_segment(_prefix(layers, attr)) for attr in ("forward", "backward", "weight"))
 
 
-def _split(T, mem, counts, bounds, m, schedule, v, per_step: np.ndarray, shared: np.ndarray,
-           parts=None) -> StageSplit:
+def _split(T, cm, bounds, m, schedule, v, per_step: np.ndarray, shared: np.ndarray,
+           parts=None, budget: float = np.inf, cutoff: float = np.inf) -> StageSplit | None:
+    """The split cut at `bounds`, priced; `cm[k]` chunk k's memory matrix. With a `budget` or a `cutoff` (callers
+    comparing splits): None for a split whose devices exceed the budget, or (zero bubble, before its order is
+    walked) whose step cannot beat the cutoff: each device runs all of its chunks' work, m of each, one after
+    another, so the step is at least m * (the busiest device's chunk times) plus its per-step seconds."""
     n, p = T.shape[0], len(bounds) // v
-    ends = list(bounds[1:]) + [n]
-    times = np.array([T[a, b - 1] for a, b in zip(bounds, ends)])
+    a = np.asarray(bounds)
+    e = np.r_[a[1:], n] - 1   # each chunk's last unit
+    times = T[a, e]
+    memory = cm[np.arange(len(a)), a, e].reshape(v, p).sum(axis=0)   # a device's chunks d, d+p, ...: their sum
+    if memory.max() > budget:
+        return None
+    once = (per_step[e + 1] - per_step[a] + shared[a, e]).reshape(v, p).sum(axis=0)
     if schedule in ZERO_BUBBLES:   # the cut transfers (T's rest), half with the forward, half with B
-        f, bwd, w = (np.array([x[a, b - 1] for a, b in zip(bounds, ends)]) for x in parts)
+        if m * float(times.reshape(v, p).sum(axis=0).max()) + float(once.max()) >= cutoff:
+            return None
+        f, bwd, w = (x[a, e] for x in parts)
         cut = times - f - bwd
         sim = zero_bubble_step(f + cut / 2, bwd - w + cut / 2, w, m, v)
-    memory = [float(mem[c][a, b - 1]) for c, a, b in zip(counts, bounds, ends)]
-    once = np.array([per_step[b] - per_step[a] + shared[a, b - 1] for a, b in zip(bounds, ends)])
-    if v > 1:  # a device holds chunks d, d+p, ...: its memory is their sum
-        memory = [sum(memory[d::p]) for d in range(p)]
-    once = once.reshape(v, p).sum(axis=0)
     step = (sim if schedule in ZERO_BUBBLES else _step(times, m, schedule, v)) + float(once.max())
     busy = (m * times.sum() + once.sum()) / p
-    return StageSplit(tuple(int(a) for a in bounds), tuple(float(t) for t in times), tuple(memory), step,
+    return StageSplit(tuple(a.tolist()), tuple(times.tolist()), tuple(memory.tolist()), step,
                       float(max(0.0, 1.0 - busy / step)) if step > 0 else 0.0)
 
 
