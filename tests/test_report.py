@@ -53,6 +53,23 @@ def test_summary_rich_has_the_same_content(plan4):
     assert str(plan4) == plan4.summary()
 
 
+def test_fold_spans_the_stages_of_identical_blocks():
+    """A pipelined plan's identical blocks in several stages fold into one group whose stage column is the span
+    of their stages (the pipeline block still lists each stage's units); blocks that differ stay apart."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=128, block_size=32, n_layer=6, n_head=4, n_embd=64))
+    x = torch.randint(0, 128, (4, 32))
+    plan = autopar.plan(model, (x, x), mesh=autopar.Mesh((2,), hardware="a100"), num_stages=2, strategy="dp")
+    stages = {m: st.index for st in plan.stages for m in st.modules}
+    groups = build_groups(plan)
+    spanned = [g for g in groups if {stages.get(u) for u in g.paths} == {0, 1}]
+    assert spanned, [(g.label, g.paths) for g in groups]
+    assert all(r.stage == "0-1" for g in spanned for r in g.rows)
+    assert all(r.stage == str(stages[g.paths[0]]) for g in groups if g not in spanned and g.paths[0] in stages
+               for r in g.rows if r.stage)
+    assert sum(g.count for g in groups if g.paths[0].startswith("transformer.h.")) == 6
+
+
 def test_fold_splits_where_one_block_differs(plan4):
     name = "transformer.h.2.mlp.c_fc.weight"
     changed = dataclasses.replace(plan4.params[name], master=("R",), modes=("dp",))
@@ -92,7 +109,10 @@ def test_summary_with_stages_shows_stage_and_bubble(plan4):
                                predicted_step_time=plan4.predicted_step_time * 1.5)
     text = plan.summary(rich=False)
     assert "stage" in text.splitlines()[6] and "pipeline  2 stages" in text and "bubble 0 s" not in text
-    assert "transformer.h.{0..1} ×2" in text and "transformer.h.{2..3} ×2" in text
+    # identical blocks of both stages: one group, its stage column the span
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("transformer.h.{0..3} ×4"))
+    assert lines[at + 1].rstrip().endswith("0-1"), lines[at:at + 2]
 
 
 def test_infeasible_plan_says_why(plan4):

@@ -99,7 +99,9 @@ def _tree(plan, groups: list[Group]) -> str:
             cells.append(f"<td class='{_act_class(r.activation)}'>{_e(r.activation)}</td>")
             cells += [f"<td>{_e(r.comm[PHASES.index(p)])}</td>" for p in phases]
             if plan.stages:
-                colour = STAGE_COLOURS[int(r.stage) % len(STAGE_COLOURS)] if r.stage else "#fff"
+                # a folded group of several stages ("0-6") gets a neutral shade
+                colour = STAGE_COLOURS[int(r.stage) % len(STAGE_COLOURS)] if r.stage.isdigit() else \
+                    "#eee" if r.stage else "#fff"
                 cells.append(f"<td style='background:{colour}'>{_e(r.stage)}</td>")
             out.append(f"<tr class='{cls}' data-group='{gi}'>" + "".join(cells) + "</tr>")
     out.append("</table>")

@@ -14,6 +14,7 @@ its shard on that axis (tensor parallelism), "zero3" when every forward op reads
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import heapq
 import io
@@ -242,11 +243,21 @@ def build_groups(plan) -> list[Group]:
     for unit, rows in units.items():
         prev = groups[-1] if groups else None
         if prev and _template(prev.paths[-1]) == _template(unit) and _template(unit) != unit \
-                and [r.cells() for r in prev.rows] == [r.cells() for r in rows]:
-            groups[-1] = Group(_fold_label(prev.paths + (unit,)), prev.paths + (unit,), prev.rows)
+                and [r.cells()[:-1] for r in prev.rows] == [r.cells()[:-1] for r in rows]:
+            # identical but for the stage: one group, its stage column the stages' span ("1-6")
+            merged = tuple(dataclasses.replace(a, stage=_stage_span(a.stage, b.stage)) for a, b in zip(prev.rows, rows))
+            groups[-1] = Group(_fold_label(prev.paths + (unit,)), prev.paths + (unit,), merged)
         else:
             groups.append(Group(unit, (unit,), tuple(rows)))
     return groups
+
+
+def _stage_span(span: str, stage: str) -> str:
+    """The stage column of a folded group: "3" and "3" stay "3"; "1" then "2" is "1-2" ("" for no stage)."""
+    if not span or span == stage:
+        return span or stage
+    first = span.split("-")[0]
+    return f"{first}-{stage}"
 
 
 def _template(unit: str) -> str:
