@@ -405,7 +405,7 @@ def partition(layers: Sequence[LayerCost], p: int, m: int, schedule: str, *, p2p
                                            np.inf if share is None else budget, parts)
             if share is None:
                 if max(found.stage_memory) <= budget:
-                    best = found   # the budget-free split fits: no split under the budget is faster
+                    best = found   # the budget-free split fits: kept, the shares' scans skipped
                     break
                 # else improve its scan's start under the budget, where that fits
                 found = None if max(start.stage_memory) > budget else _improve(
