@@ -22,7 +22,8 @@ recompute="all": `recompute.solve_recompute` then `stages.partition`):
   tp+dp                     tensor parallel inside a node (tp 2, 4 or 8) x data parallel, m in {1, 2, 4}
   titan, titan+ac           torchtitan's grid: FSDP (ZeRO-3) x TP (1, 2, 4, 8, inside a node) x PP (every
                             stage count dividing N, 1 included), every schedule the runtime has (GPipe,
-                            1F1B, interleaved 1F1B, zero bubble (ZB-H1); no V schedule), m in {pp, 2pp,
+                            1F1B, interleaved 1F1B, zero bubble on 1 or 2 chunks per device; no V
+                            schedule), m in {pp, 2pp,
                             4pp} (pp = 1: {1, 2, 4}), without and with activation checkpointing
   megatron+ac               Megatron-LM: TP 8 inside the node, PP across nodes (every stage count), DP
                             outside, 1F1B or interleaved 1F1B, m in {pp, 2pp, 4pp}, full recompute
