@@ -14,6 +14,7 @@ from autopar._testing import models
 from autopar._testing.dist_cases import train_reference, train_steps
 from autopar._testing.dist_utils import run_distributed
 from autopar.costmodel.hardware import get_hardware
+from autopar.pipeline.stages import INTERLEAVED
 
 STEPS = 3
 
@@ -304,7 +305,7 @@ def _compare(results, case, batches, kws, world):
         for key, want in ref_state.items():
             torch.testing.assert_close(state[key], want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{label} {key}: {m}")
         plan = autopar.Plan.from_json(results[0][i]["plan"])
-        v = kw.get("virtual_stages", 2) if kw.get("schedule") in ("interleaved_1f1b", "interleaved_zero_bubble") else 1
+        v = kw.get("virtual_stages", 2) if kw.get("schedule") in INTERLEAVED else 1
         assert plan.mesh.axis_names[0] == "pp" and len(plan.stages) == 2 * v, label   # p*v chunks
         assert [st.ranks for st in plan.stages] == [plan.stages[k % 2].ranks for k in range(2 * v)], label
         # each rank registers only its own stage's parameters; together they are the whole model
