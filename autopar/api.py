@@ -53,8 +53,10 @@ def plan(model: nn.Module, example_inputs, *, mesh: Mesh | tuple, strategy: Stra
     `schedule` ("gpipe", "1f1b", "zero_bubble", and "interleaved_1f1b" / "interleaved_zero_bubble" with
     `virtual_stages` chunks per device) over
     `num_microbatches`; `num_stages=None` or 1 plans without stages on `mesh` as given.
-    `search="fast"` prices pipelines only when the SPMD plan of the devices as one axis does not fit or
-    is over 4x a pipeline's step bound (else planning stays about as fast as SPMD planning); `search="exact"` always runs the branch and bound
+    `search="fast"` searches pipelines only when the SPMD plan of the devices as one axis does not fit or
+    is over 4x a pipeline's step bound, else, for a model that fills devices, all of them where they are
+    few (up to 16 devices) or a probe (one micro-batch count, 1-D sub-meshes): planning stays within
+    seconds of SPMD planning; `search="exact"` always runs the branch and bound
     over pipelines too (minutes for 8B+ models on this machine's two cores); `plan.solver["search"]`.
     `compile=True` prices each rank's program as `autoparallelize(compile=True)` runs it, compiled by Inductor
     (views free, memory-bound chains fused, the hardware's compiled per-kernel figures: docs/cost_model.md);

@@ -244,6 +244,46 @@ def test_the_fast_search_prices_pipelines_where_one_axis_needs_recompute():
     assert got.predicted_step_time <= one_axis.predicted_step_time and got.memory_per_device <= budget
 
 
+def test_where_the_ratio_rule_searches_no_pipeline_the_fast_search_still_prices_some(monkeypatch):
+    """search="fast" where its ratio rule searches no pipeline, for a model that fills devices: every
+    pipeline when there are at most SMALL_SEARCH candidates, else a probe (`auto.probe_jobs`: one
+    micro-batch count on 1-D sub-meshes). A 16-layer GPT of GPT-2 1.5B's width on 8 H100s in bf16 under
+    20 GB: SPMD 4 x 2 is within FAST_RATIO of the pipeline bound, yet pp8 zero bubble (the probe) is ~6%
+    faster, and the full search no slower; without either the default call returns the SPMD plan. A toy
+    model is searched neither way."""
+    from autopar.pipeline import auto
+    case = models.meta_gpt(n_layer=16, n_embd=1600, n_head=25, batch=8, seq=1024)
+    mesh = autopar.Mesh((8,), hardware="h100", devices_per_node=8)
+    kw = dict(mixed_precision="bf16", memory_budget=20 * GB)
+    full = _plan(case, mesh, **kw)
+    assert full.solver["search"]["pipelines_searched"] and full.solver["search"]["pipeline_candidates"] <= 80
+    monkeypatch.setattr(auto, "SMALL_SEARCH", 0)
+    got = _plan(case, mesh, **kw)
+    search = got.solver["search"]
+    assert not search["pipelines_searched"] and search["probed"] > 0 and got.stages
+    assert got.memory_per_device <= 20 * GB and full.predicted_step_time <= got.predicted_step_time
+    monkeypatch.setattr(auto, "probe_jobs", lambda jobs: [])
+    spmd = _plan(case, mesh, **kw)
+    assert spmd.stages == () and got.predicted_step_time < spmd.predicted_step_time
+    monkeypatch.setattr(auto, "SMALL_SEARCH", 80)
+    toy = _plan(_gpt(), mesh)   # its SPMD plan holds far under PROBE_MEMORY_SHARE of an H100
+    assert toy.solver["search"]["probed"] == 0 and not toy.solver["search"]["pipelines_searched"]
+    assert toy.stages == ()
+
+
+def test_the_fast_probe_prices_one_microbatch_count_on_one_axis_sub_meshes():
+    """`auto.probe_jobs`: pipelines only (pp > 1), of the most micro-batches up to PROBE_MICROBATCHES (one
+    capture), on sub-meshes with one axis (dp or tp = 1)."""
+    from autopar.pipeline.auto import PROBE_MICROBATCHES, probe_jobs
+    s = ("1f1b",)
+    jobs = [(1, 4, 2, 2, s), (2, 4, 1, 4, s), (2, 2, 2, 8, s), (2, 1, 4, 8, s), (4, 2, 1, 8, s), (4, 2, 1, 16, s),
+            (8, 1, 1, 8, s), (8, 1, 1, 32, s)]
+    assert PROBE_MICROBATCHES == 8
+    assert probe_jobs(jobs) == [(2, 1, 4, 8, s), (4, 2, 1, 8, s), (8, 1, 1, 8, s)]
+    assert probe_jobs([(2, 4, 1, 16, s)]) == [] and probe_jobs([(1, 8, 1, 2, s)]) == []
+    assert probe_jobs([(2, 4, 1, 2, s), (2, 4, 1, 4, s)]) == [(2, 4, 1, 4, s)]
+
+
 def test_a_one_axis_plan_that_needs_recompute_waits_for_the_other_layouts(monkeypatch):
     """Where no plan of the devices as one axis fits without recompute, its recompute MIPs wait like a
     2-D mesh's memory row: solved only if its budget-free bound can beat the best plan found (Llama-3-70B

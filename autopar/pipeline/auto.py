@@ -31,7 +31,12 @@ One capture of the whole batch (under the mixed-precision policy, with `example_
      FAST_RATIO times the least lower bound of a pipeline's step (SPMD is far from the work's own
      time: a pipeline may win by a wide margin). The rule reads the 1-D plan and the device count
      only, so Mesh((N,)) and Mesh((N // k, k)) search the same pipelines; search="exact" always
-     searches them.
+     searches them. Where the rule searches none, fast still prices pipelines for a model that fills
+     devices (an SPMD plan holds PROBE_MEMORY_SHARE of the budget or more): all of them where there are
+     at most SMALL_SEARCH candidates (up to 16 devices: a few seconds more; GPT-2 350M on 2 x 8 H100s,
+     103.4 -> 92.5 ms), else a probe (`probe_jobs`): the pipelines of one micro-batch count on 1-D
+     sub-meshes, one capture and a few DP solves, under the same incumbent (Llama-3-8B on 8 x 8, 953 ->
+     890 ms, 8 -> 11.5 CPU s).
      The fast search also solves no memory rows for a candidate whose budget-free plan, split without a
      budget, is 1.05x the best step found or slower (`candidates.price`'s cutoff: a heuristic; those
      MIPs were nearly all of a large model's search time). `plan.solver["search"]` says which ran,
@@ -75,6 +80,9 @@ from autopar.sharding import recipes
 SEARCHES = ("fast", "exact")
 DEFER = 0.0   # `spmd.plan_captured`'s cutoff for a first pass that stops wherever the memory row bites
 FAST_RATIO = 4.0   # search="fast" searches pipelines when the 1-D SPMD step exceeds this times their least bound
+PROBE_MICROBATCHES = 8   # ... else it prices pipelines of this many micro-batches (or fewer) on 1-D sub-meshes
+PROBE_MEMORY_SHARE = 0.05   # ... where an SPMD plan holds this share of the budget (the device's memory) or more
+SMALL_SEARCH = 80   # ... and searches them all there when there are this few pipeline candidates (<= 16 devices)
 GAP_NOTE = 0.01    # an SPMD row of the summary whose solver stopped further than this from its bound says so
 
 
@@ -175,6 +183,7 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     incumbent = min((p.predicted_step_time for p in plans if p.feasible), default=float("inf"))
     found: list[Candidate] = []
     jobs: list[tuple] = []
+    searched: list[tuple] = []   # the jobs branch and bound prices: all of them, or the fast search's probe
     explored, walk = False, {}
     if pipelines:
         schedules = (schedule,) if schedule else DEFAULT_SCHEDULES   # every runtime schedule, zero bubble included
@@ -193,12 +202,17 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
                        f"(FAST_RATIO {FAST_RATIO}; the best SPMD plan {incumbent / least:.3g} x)")
             explored = search == "exact" or flat is None or bool(flat.recompute) or \
                 flat.predicted_step_time > FAST_RATIO * least   # flat is None where it needs recompute
-        if explored:
+        room = budget if budget is not None else mesh.hardware.mem_capacity
+        probing = any(p.feasible and p.memory_per_device >= PROBE_MEMORY_SHARE * room for p in plans)
+        # a model that fills devices: every pipeline where they are few (seconds), else the probe
+        explored = explored or (probing and sum(len(j[4]) for j in jobs) <= SMALL_SEARCH)
+        searched = jobs if explored else probe_jobs(jobs) if probing else []
+        if searched:
             with timer("search"):
-                found = branch_and_bound(prof, jobs, budget, None, keep=1, incumbent=incumbent,
+                found = branch_and_bound(prof, searched, budget, None, keep=1, incumbent=incumbent,
                                          fast=search == "fast", stats=walk, recompute=recompute != "none")
-            log(1, f"layout search: {sum(len(j[4]) for j in jobs)} pipeline candidates, {len(found)} priced "
-                   f"(incumbent {incumbent:.4g} s)")
+            log(1, f"layout search{'' if explored else ' (probe)'}: {sum(len(j[4]) for j in searched)} pipeline "
+                   f"candidates, {len(found)} priced (incumbent {incumbent:.4g} s)")
     piped = min((c for c in found if c.feasible), key=lambda c: c.step_time, default=None)
     fastest = min(incumbent, piped.step_time if piped is not None else float("inf"))
     pruned, more = {}, []
@@ -246,7 +260,8 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
         table[_label(runner_up)] = {"feasible": True, "time": runner_up.step_time,
                                     "memory": runner_up.memory_per_device, "reason": ""}
     stats = {"pipeline_candidates": sum(len(j[4]) for j in jobs), "priced": len(found),
-             "pipelines_searched": bool(jobs) and explored, **walk}
+             "pipelines_searched": bool(jobs) and explored, "probed": 0 if explored else sum(len(j[4]) for j in searched),
+             **walk}
     return dataclasses.replace(best, baselines=table if baselines else best.baselines, timings=dict(timer),
                                solver={**best.solver, "search": stats})
 
@@ -283,6 +298,26 @@ def _batch(example_inputs) -> int | None:
         return batch_size(example_inputs)
     except InputError:
         return None
+
+
+def probe_jobs(jobs: list[tuple]) -> list[tuple]:
+    """The pipelines search="fast" prices where its rule searches none (the SPMD plan is within FAST_RATIO
+    of the least pipeline bound, so any pipeline win is narrow): those of one micro-batch count, the most
+    up to PROBE_MICROBATCHES (one capture), on 1-D sub-meshes (each stage tensor or data parallel over one
+    axis: its SPMD problem solved by the DP, no MIP), by the same branch and bound under the SPMD
+    incumbent. A few seconds where the full search takes minutes: GPT-2 1.5B on 8 H100s in bf16 under
+    20 GB plans pp8, m8, interleaved zero bubble at 65.2 ms where SPMD 4 x 2 took 74.8 (search="exact":
+    63.0 ms, pp4 x tp2, m4, in 9.5 CPU s against 5.7); Llama-3-8B on 8 x 8 H100s (batch 64 x 4,096) pp8 x tp8, m8, interleaved zero bubble at 890 ms
+    against SPMD's 953 (what search="exact" finds, in 53 CPU s). Only where an SPMD plan holds
+    PROBE_MEMORY_SHARE of the budget (of the device's memory without one) or more: pipelines are how
+    models that fill devices train; a toy model's default stays the SPMD plan the ratio rule picks (a
+    2-layer GPT on 2 CPU processes would otherwise plan as a 2-stage zero-bubble pipeline, its price on
+    such steps unmeasured: `benchmarks/RESULTS.md#costmodel_fidelity` measured 2-stage 1F1B on CPU only)."""
+    counts = [m for pp, _, _, m, _ in jobs if pp > 1 and m <= PROBE_MICROBATCHES]
+    if not counts:
+        return []
+    m = max(counts)
+    return [job for job in jobs if job[0] > 1 and job[3] == m and min(job[1], job[2]) == 1]
 
 
 def _splits_batch(example_inputs) -> bool:
