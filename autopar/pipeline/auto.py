@@ -36,7 +36,7 @@ One capture of the whole batch (under the mixed-precision policy, with `example_
      at most SMALL_SEARCH candidates (up to 16 devices: a few seconds more; GPT-2 350M on 2 x 8 H100s,
      103.4 -> 92.5 ms), else a probe (`probe_jobs`): the pipelines of one micro-batch count on 1-D
      sub-meshes, one capture and a few DP solves, under the same incumbent (Llama-3-8B on 8 x 8, 953 ->
-     890 ms, 8 -> 11.5 CPU s).
+     890 ms, 8 -> 11 CPU s).
      The fast search also solves no memory rows for a candidate whose budget-free plan, split without a
      budget, is 1.05x the best step found or slower (`candidates.price`'s cutoff: a heuristic; those
      MIPs were nearly all of a large model's search time). `plan.solver["search"]` says which ran,
