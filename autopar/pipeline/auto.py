@@ -205,13 +205,13 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
         room = budget if budget is not None else mesh.hardware.mem_capacity
         probing = any(p.feasible and p.memory_per_device >= PROBE_MEMORY_SHARE * room for p in plans)
         # a model that fills devices: every pipeline where they are few (seconds), else the probe
-        explored = explored or (probing and sum(len(j[4]) for j in jobs) <= SMALL_SEARCH)
+        explored = explored or (probing and _candidates(jobs) <= SMALL_SEARCH)
         searched = jobs if explored else probe_jobs(jobs) if probing else []
         if searched:
             with timer("search"):
                 found = branch_and_bound(prof, searched, budget, None, keep=1, incumbent=incumbent,
                                          fast=search == "fast", stats=walk, recompute=recompute != "none")
-            log(1, f"layout search{'' if explored else ' (probe)'}: {sum(len(j[4]) for j in searched)} pipeline "
+            log(1, f"layout search{'' if explored else ' (probe)'}: {_candidates(searched)} pipeline "
                    f"candidates, {len(found)} priced (incumbent {incumbent:.4g} s)")
     piped = min((c for c in found if c.feasible), key=lambda c: c.step_time, default=None)
     fastest = min(incumbent, piped.step_time if piped is not None else float("inf"))
@@ -259,9 +259,8 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     if runner_up is not None:   # the best pipeline that lost (or the runner-up of the one that won)
         table[_label(runner_up)] = {"feasible": True, "time": runner_up.step_time,
                                     "memory": runner_up.memory_per_device, "reason": ""}
-    stats = {"pipeline_candidates": sum(len(j[4]) for j in jobs), "priced": len(found),
-             "pipelines_searched": bool(jobs) and explored, "probed": 0 if explored else sum(len(j[4]) for j in searched),
-             **walk}
+    stats = {"pipeline_candidates": _candidates(jobs), "priced": len(found),
+             "pipelines_searched": bool(jobs) and explored, "probed": 0 if explored else _candidates(searched), **walk}
     return dataclasses.replace(best, baselines=table if baselines else best.baselines, timings=dict(timer),
                                solver={**best.solver, "search": stats})
 
@@ -298,6 +297,11 @@ def _batch(example_inputs) -> int | None:
         return batch_size(example_inputs)
     except InputError:
         return None
+
+
+def _candidates(jobs: list[tuple]) -> int:
+    """How many candidates `jobs` hold: one per (pp, dp, tp, m) and schedule."""
+    return sum(len(job[4]) for job in jobs)
 
 
 def probe_jobs(jobs: list[tuple]) -> list[tuple]:
