@@ -212,18 +212,36 @@ def compile_counters() -> dict:
     return {family: dict(c) for family, c in counters.items()}
 
 
-def zero_bubble_order(p: int, m: int, v: int = 1) -> list[list[tuple[int, str, int]]]:
+def zero_bubble_order(p: int, m: int, v: int = 1, v_shape: bool = False) -> list[list[tuple[int, str, int]]]:
     """The actions each pipeline rank runs under torch's ScheduleInterleavedZeroBubble with v stages per rank
-    (rank r holds stages r, r + p, ...), as (stage, "F" | "I" | "W" | "B", micro-batch) in order ("I": input
-    gradients, "W": weight gradients, "B": both), from the schedule's own private order builder, called
+    (rank r holds stages r, r + p, ...), or, `v_shape`, under ScheduleZBVZeroBubble (two stages per rank in a
+    V: rank r holds stages r and 2p - 1 - r), as (stage, "F" | "I" | "W" | "B", micro-batch) in order ("I":
+    input gradients, "W": weight gradients, "B": both), from the schedule's own private order builder, called
     without building stages."""
     import types
 
     from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble as zb
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble as zbv
     rounds = max(1, m // p)
-    fake = types.SimpleNamespace(n_local_stages=v, pp_group_size=p, _n_microbatches=m, number_of_rounds=rounds,
-                                 microbatches_per_round=m // rounds)
-    fake.pipeline_order = {r: zb._calculate_single_rank_operations(fake, r) for r in range(p)}
+    fake = types.SimpleNamespace(n_local_stages=2 if v_shape else v, pp_group_size=p, _n_microbatches=m,
+                                 number_of_rounds=rounds, microbatches_per_round=m // rounds, num_stages=2 * p)
+    build = zbv._calculate_single_rank_operations if v_shape else zb._calculate_single_rank_operations
+    fake.pipeline_order = {r: build(fake, r) for r in range(p)}
     names = {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "B"}
     return [[(a.stage_index, names[a.computation_type.name], a.microbatch_index)
              for a in fake.pipeline_order[r] if a is not None] for r in range(p)]
+
+
+def forward_only_schedule(schedule_cls, stages: list, m: int, **options):
+    """torch's `schedule_cls` of these PipelineStages running only its forward actions, in its own order: the
+    forward-only evaluation of a V-shaped schedule. Its own `eval` runs the order's backward actions too, and
+    the hand-off of input gradients between the two chunks a rank holds fails without a backward (torch 2.13:
+    "can't steal_bwd_input if this stage doesn't have backward"). The sends and receives are added by the
+    schedule's own lowering (`_add_send_recv`; its validation, which wants every backward, is skipped)."""
+    from torch.distributed.pipelining.schedules import _add_send_recv, _ComputationType
+    schedule = schedule_cls(stages, m, **options)
+    forward = {rank: [a for a in actions if a is not None and a.computation_type == _ComputationType.FORWARD]
+               for rank, actions in schedule.pipeline_order.items()}
+    schedule.pipeline_order_with_comms = _add_send_recv(
+        forward, stage_to_rank=lambda s: schedule.stage_index_to_group_rank[s], num_stages=schedule._num_stages)
+    return schedule

@@ -50,8 +50,8 @@ def plan(model: nn.Module, example_inputs, *, mesh: Mesh | tuple, strategy: Stra
     data x tensor layouts of the same devices that could beat them (`autopar.pipeline.auto`); the plan's
     mesh is the layout chosen ("pp" first when pipelined).
     `num_stages=p` (or a mesh whose first axis is "pp") forces a pipeline of p stages, run with
-    `schedule` ("gpipe", "1f1b", "zero_bubble", and "interleaved_1f1b" / "interleaved_zero_bubble" with
-    `virtual_stages` chunks per device) over
+    `schedule` ("gpipe", "1f1b", "zero_bubble", "interleaved_1f1b" / "interleaved_zero_bubble" with
+    `virtual_stages` chunks per device, and "zero_bubble_v": two chunks per device in a V) over
     `num_microbatches`; `num_stages=None` or 1 plans without stages on `mesh` as given.
     `search="fast"` searches pipelines only when the SPMD plan of the devices as one axis does not fit or
     is over 4x a pipeline's step bound, else, for a model that fills devices, all of them where they are

@@ -14,7 +14,7 @@ from autopar._testing import models
 from autopar._testing.dist_cases import train_reference, train_steps
 from autopar._testing.dist_utils import run_distributed
 from autopar.costmodel.hardware import get_hardware
-from autopar.pipeline.stages import INTERLEAVED
+from autopar.pipeline.stages import INTERLEAVED, chunk_device, chunks_per_device
 
 STEPS = 3
 
@@ -257,6 +257,34 @@ def test_interleaved_plan_places_chunks_round_robin():
     assert searched.predicted_step_time == pytest.approx(res.best.step_time, rel=1e-6)
 
 
+def test_zero_bubble_v_plan_places_chunks_in_a_v():
+    """schedule="zero_bubble_v": 2p = 4 chunks of the 4-layer GPT, chunk k on device `chunk_device` (0, 1, 1, 0:
+    device 0 holds the embedding's chunk and the loss's), each unit once and in order; a device's memory is the
+    sum of its chunks'; any micro-batch count (torch's ZB-V has no rounds), virtual_stages other than 2 refused;
+    the search's candidate becomes the same plan, at the search's price."""
+    from autopar.errors import InputError
+    from autopar.pipeline.planning import chunks_per_device
+    case = models.tiny_gpt(n_layer=4, batch=6, seq=16)
+    plan = autopar.plan(case.model, case.args, mesh=autopar.Mesh((2,)), num_stages=2, schedule="zero_bubble_v",
+                        num_microbatches=3, baselines=False)
+    assert plan.schedule == "zero_bubble_v" and plan.num_microbatches == 3 and chunks_per_device(plan) == 2
+    assert [st.ranks for st in plan.stages] == [(0,), (1,), (1,), (0,)]
+    assert [u for st in plan.stages for u in st.modules] == ["<pre>"] + [f"transformer.h.{i}" for i in range(4)] + ["<post>"]
+    per_device = [plan.stages[0].memory + plan.stages[3].memory, plan.stages[1].memory + plan.stages[2].memory]
+    assert plan.memory_per_device == pytest.approx(max(per_device), rel=1e-9)
+    assert autopar.Plan.from_json(plan.to_json()).to_json() == plan.to_json()
+    assert "schedule zero_bubble_v" in str(plan)
+    with pytest.raises(InputError, match="two chunks per device"):
+        autopar.plan(case.model, case.args, mesh=autopar.Mesh((2,)), num_stages=2, schedule="zero_bubble_v",
+                     virtual_stages=3, baselines=False)
+    from autopar.pipeline.search import search, to_plan
+    res = search(case.model, case.args, mesh=autopar.Mesh((2,)), num_stages=2, num_microbatches=3,
+                 schedules=("zero_bubble_v",))
+    searched = to_plan(res, case.model)
+    assert [(st.modules, st.ranks) for st in searched.stages] == [(st.modules, st.ranks) for st in plan.stages]
+    assert searched.predicted_step_time == pytest.approx(res.best.step_time, rel=1e-6)
+
+
 def test_pipelined_plan_refuses_bad_requests():
     from autopar.errors import InputError, MeshError
     case = models.tiny_gpt(batch=4, seq=16)
@@ -305,9 +333,10 @@ def _compare(results, case, batches, kws, world):
         for key, want in ref_state.items():
             torch.testing.assert_close(state[key], want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{label} {key}: {m}")
         plan = autopar.Plan.from_json(results[0][i]["plan"])
-        v = kw.get("virtual_stages", 2) if kw.get("schedule") in INTERLEAVED else 1
+        v = kw.get("virtual_stages", 2) if kw.get("schedule") in INTERLEAVED else chunks_per_device(kw["schedule"])
         assert plan.mesh.axis_names[0] == "pp" and len(plan.stages) == 2 * v, label   # p*v chunks
-        assert [st.ranks for st in plan.stages] == [plan.stages[k % 2].ranks for k in range(2 * v)], label
+        assert [st.ranks for st in plan.stages] == [plan.stages[chunk_device(kw["schedule"], 2, k)].ranks
+                                                    for k in range(2 * v)], label
         # each rank registers only its own stage's parameters; together they are the whole model
         first, last = set(results[0][i]["owned"]), set(results[world - 1][i]["owned"])
         assert first and last and first != last, label
@@ -338,18 +367,22 @@ def test_pp2_matches_single_process(name):
 def test_zero_bubble_matches_single_process(name):
     """schedule="zero_bubble" (torch's ScheduleInterleavedZeroBubble, ZB-H1): each stage's backward runs as B
     (input gradients) and, later, W (parameter gradients; passes/split_weight_grads.py). pp=2 at world 2, 2 and
-    4 micro-batches, and "interleaved_zero_bubble" (the same schedule on 2 chunks per device: 4 chunks, rank d
-    holding d and d + 2), 4 micro-batches: losses of 3 AdamW steps, every parameter and a forward-only evaluation
-    equal one process, and every micro-batch ran one B and one W on each chunk, never the whole backward."""
+    4 micro-batches, "interleaved_zero_bubble" (the same schedule on 2 chunks per device: 4 chunks, rank d
+    holding d and d + 2), 4 micro-batches, and "zero_bubble_v" (torch's ScheduleZBVZeroBubble: rank 0 holds
+    chunks 0 and 3, the embedding and the loss; on the GPT the tied lm_head's copy is rank 0's wte), 2 and 4
+    micro-batches (2 < 2p - 1: torch's order drops the micro-batches it pads with): losses of 3 AdamW steps,
+    every parameter and a forward-only evaluation equal one process, and every micro-batch ran one B and one W
+    on each chunk, never the whole backward."""
     case = models.tiny_gpt(n_layer=4, batch=4, seq=16) if name == "gpt" else models.tiny_llama(batch=4, seq=16)
     batches = models.zoo_batches(case, STEPS)
     kws = [dict(num_stages=2, schedule="zero_bubble", num_microbatches=m) for m in (2, 4)]
     kws.append(dict(num_stages=2, schedule="interleaved_zero_bubble", num_microbatches=4))
+    kws += [dict(num_stages=2, schedule="zero_bubble_v", num_microbatches=m) for m in (2, 4)]
     results = run_distributed(train_pipelined, 2, case.model, batches, STEPS, kws, timeout=600)
     _compare(results, case, batches, kws, 2)
     for rank in range(2):
         for i, kw in enumerate(kws):
-            m = kw["num_microbatches"] * (2 if kw["schedule"] == "interleaved_zero_bubble" else 1)   # per chunk
+            m = kw["num_microbatches"] * (2 if kw["schedule"] != "zero_bubble" else 1)   # per chunk
             assert results[rank][i]["runs"] == {"forward": m, "backward_input": m, "backward_weight": m}, (rank, kw)
 
 

@@ -12,6 +12,7 @@ from autopar.errors import InfeasiblePlanError
 from autopar.pipeline.stages import (
     LayerCost,
     bubble_fraction,
+    chunk_device,
     chunk_in_flight,
     in_flight,
     memory_counts,
@@ -335,3 +336,59 @@ def test_interleaved_zero_bubble_partition_prices_its_split_by_the_order():
         memory = [sum(x.state_bytes + a * x.activation_bytes + w * x.carried_bytes for x in c)
                   for c, (a, w) in zip(chunks, counts)]
         assert got.stage_memory == pytest.approx([sum(memory[d::p]) for d in range(p)])
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 4), (4, 8), (8, 16)])
+def test_zero_bubble_v_step_and_memory_when_balanced(p, m):
+    """schedule="zero_bubble_v": torch's ScheduleZBVZeroBubble order on two chunks per device in a V (device d
+    holds chunks d and 2p - 1 - d), priced by its dependency graph. Balanced (each chunk half a stage's F, B
+    and W): never below the device's own work, 3m, and its fill and drain shorter than ZB-H1's on one chunk,
+    (p - 1)(F + B - W), from 2p - 1 micro-batches on; with a transfer per cut, the cut between chunks p - 1 and p (one device) is free, so
+    the step is below interleaved zero bubble's, which crosses every cut (again from 2p - 1 on). A device keeps as many activations
+    (chunk-micro-batches / 2) as ZB-H1's stage, at most 1F1B's first stage's; W waits on chunks past the first."""
+    n = 2 * p
+    step = schedule_step_time([0.5] * n, [1.0] * n, m, "zero_bubble_v", weight=[0.5] * n)
+    assert 3 * m <= step <= 3 * m + (p - 1)
+    assert step < 3 * m + (p - 1) or m < 2 * p - 1   # torch's V fills its steady state from 2p - 1 micro-batches
+    assert [chunk_device("zero_bubble_v", p, k) for k in range(n)] == [*range(p), *reversed(range(p))]
+    assert [chunk_device("interleaved_zero_bubble", p, k) for k in range(n)] == [*range(p)] * 2
+    with_p2p = schedule_step_time([0.5] * n, [1.0] * n, m, "zero_bubble_v", weight=[0.5] * n, p2p=0.1)
+    loop = schedule_step_time([0.5] * n, [1.0] * n, m, "interleaved_zero_bubble", weight=[0.5] * n, p2p=0.1, v=2)
+    assert with_p2p < loop or m < 2 * p - 1   # (2 micro-batches on 2 devices: 7.5 against 7.2)
+    per_chunk = [chunk_in_flight("zero_bubble_v", p, m, k, 2) for k in range(n)]
+    # a device's two chunks (half a stage's activations each) keep c of them each: c stages' worth
+    assert all(c <= in_flight("1f1b", p, m, 0) for c in per_chunk)
+    assert per_chunk == [min(m, p)] * n or m < 2 * p - 1
+    counts = memory_counts("zero_bubble_v", p, m, 2)
+    assert counts[0][1] == 0 and all(w > 0 for _, w in counts[1:])   # chunk 0's B is empty: nothing carried
+
+
+def test_zero_bubble_v_partition_places_chunks_in_a_v():
+    """partition(schedule="zero_bubble_v") returns 2p chunks, chunk k on device `chunk_device` (d and 2p - 1 - d),
+    whose step is the order's own price of its chunks (the cut between chunks p - 1 and p costs nothing: one
+    device) and whose devices' memory is their two chunks' sum, within the budget."""
+    rng = random.Random(17)
+    for _ in range(20):
+        p = rng.randint(2, 3)
+        n, m = rng.randint(2 * p, 9), rng.randint(1, 3 * p)
+        layers = [dataclasses.replace(x, weight=0.4 * x.backward, carried_bytes=0.3 * x.activation_bytes)
+                  for x in _random_layers(rng, n)]
+        p2p = rng.choice([0.0, 0.3])
+        free = partition(layers, p, m, "zero_bubble_v", p2p_time=lambda b: p2p)
+        budget = 1.1 * max(free.stage_memory)
+        got = partition(layers, p, m, "zero_bubble_v", p2p_time=lambda b: p2p, memory_budget=budget)
+        assert len(got.bounds) == 2 * p and max(got.stage_memory) <= budget * (1 + 1e-12)
+        assert got.step_time <= free.step_time * (1 + 1e-12)
+        ends = list(got.bounds[1:]) + [n]
+        chunks = [layers[a:b] for a, b in zip(got.bounds, ends)]
+        want = schedule_step_time([sum(x.forward for x in c) for c in chunks],
+                                  [sum(x.backward for x in c) for c in chunks], m, "zero_bubble_v",
+                                  weight=[sum(x.weight for x in c) for c in chunks], p2p=p2p)
+        device = [chunk_device("zero_bubble_v", p, k) for k in range(2 * p)]
+        per_step = [sum(x.per_step for k, c in enumerate(chunks) if device[k] == d for x in c) for d in range(p)]
+        assert got.step_time == pytest.approx(want + max(per_step))
+        counts = memory_counts("zero_bubble_v", p, m, 2)
+        memory = [sum(x.state_bytes + a * x.activation_bytes + w * x.carried_bytes for x in c)
+                  for c, (a, w) in zip(chunks, counts)]
+        assert got.stage_memory == pytest.approx([sum(mem for k, mem in enumerate(memory) if device[k] == d)
+                                                  for d in range(p)])

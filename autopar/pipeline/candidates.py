@@ -68,9 +68,14 @@ from autopar.errors import InfeasiblePlanError
 from autopar.mesh import Mesh
 from autopar.pipeline.stages import (
     INTERLEAVE,
+    INTERLEAVED,
+    INTERLEAVED_ZERO_BUBBLE,
+    V_SHAPED,
+    ZERO_BUBBLE,
     ZERO_BUBBLES,
     LayerCost,
     StageSplit,
+    chunk_device,
     chunk_in_flight,
     chunks_per_device,
     partition,
@@ -87,6 +92,7 @@ SKIP_MARGIN = 1.05   # ... when its budget-free plan splits at least this times 
 STOP_MARGIN = 1e-6   # a group's LP bound may stop this fraction above what prunes every live candidate
 INNER_TIGHTENING = (1.0, 0.5)   # inner SPMD memory rows tried, as fractions of pp * budget
 FLOOR_SLACK = 1.05        # a weighted row no SPMD plan meets is retried at this times the least one
+ROUNDS = (ZERO_BUBBLE, INTERLEAVED_ZERO_BUBBLE)   # torch's ZB1P: rounds of equal size
 RESPLITS = 3   # `_recomputed`: the partly recomputed profile split anew (and thinned) at most this many times
 
 @dataclass(frozen=True)
@@ -139,7 +145,9 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
     under its memory rows only after every pipeline group, under their cutoff; and a zero-bubble candidate
     that only recompute can fit is left out (its bound, the busiest stage's work, prunes little, and each
     stage keeps pp micro-batches: on Llama-3.1-405B x 2,048, where every candidate needs recompute, pricing
-    them took the search from 251 to 556 CPU s for the same 1F1B plan).
+    them took the search from 251 to 556 CPU s for the same 1F1B plan); and zero bubble V (`stages.V_SHAPED`) only
+    from 2pp - 1 micro-batches on, where torch's V order fills its steady state (below, balanced chunks step slower
+    than interleaved zero bubble's: tests/test_stages.py).
     `stats` (a dict) receives groups, groups_priced (those where some candidate was priced),
     lp_pruned (candidates the LP bound skipped) and rows_skipped. `recompute=False`: no candidate is
     priced with recompute (`price`)."""
@@ -154,6 +162,8 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
             needs = pp > 1 and _needs_recompute(prof, pp, dp * tp, m, s, budget)
             if fast and s in ZERO_BUBBLES and needs:
                 continue   # zero bubble keeps pp micro-batches on every stage: where only recompute fits, fast leaves it
+            if fast and s in V_SHAPED and m < 2 * pp - 1:
+                continue   # torch's V fills its steady state from 2pp - 1 micro-batches on (interleaving's are searched)
             if recompute and strategy is None and needs:
                 # only recompute can make it fit (`price`): at least what freeing the excess re-runs
                 excess = _excess(prof, pp, dp * tp, m, s, budget)
@@ -275,10 +285,10 @@ def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, 
     out = []
     for schedule in schedules:
         v = chunks_per_device(schedule)
-        if v > 1 and m % pp:
+        if schedule in INTERLEAVED and m % pp:
             continue  # interleaving needs whole rounds of pp micro-batches
-        if schedule in ZERO_BUBBLES and m % max(1, m // pp):
-            continue  # torch's zero-bubble order runs rounds of equal size (`planning.schedule_options`)
+        if schedule in ROUNDS and m % max(1, m // pp):
+            continue  # torch's ZB1P order runs rounds of equal size (`planning.schedule_options`)
         best, least, held = None, float("inf"), None   # held: (state, activation) bytes of the last plan
         skipped, solved = "", []   # solved: the (row, weight, step weight) whose SPMD plans were found, loosest first
         r = step_weight(pp, m)
@@ -412,7 +422,7 @@ def fewest_recomputed(plain: list[LayerCost], recomputed: list[LayerCost], split
     if budget is None or not on:
         return list(recomputed), split, tuple(recomputed[i].name for i in on)
     chunk_of = np.searchsorted(np.asarray(split.bounds), np.arange(len(plain)), side="right") - 1
-    room = [budget - used for used in split.stage_memory]   # per device (a device holds chunks d, d + pp, ...)
+    room = [budget - used for used in split.stage_memory]   # per device (its chunks: `stages.chunk_device`)
 
     def added(i: int) -> float:   # the in-flight activations layer i keeps again on its device
         k = int(chunk_of[i])
@@ -424,7 +434,7 @@ def fewest_recomputed(plain: list[LayerCost], recomputed: list[LayerCost], split
 
     mixed = list(recomputed)
     for i in sorted(on, key=lambda i: (-saved(i) / max(added(i), 1e-30), -i)):
-        d = int(chunk_of[i]) % pp
+        d = chunk_device(schedule, pp, int(chunk_of[i]))
         if saved(i) > 0 and added(i) <= room[d]:
             mixed[i], room[d] = plain[i], room[d] - added(i)
     if all(mixed[i] is recomputed[i] for i in on):

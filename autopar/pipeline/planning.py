@@ -34,6 +34,9 @@ Interleaved 1F1B (`schedule="interleaved_1f1b"`, `virtual_stages=v`, default
 device d holds chunks d, d+p, ... (torch's "loop" placement). `Plan.stages` then lists one StagePlan per
 chunk (its index is the chunk's, its ranks its device's, its memory the chunk's share of the device);
 `chunks_per_device(plan)` reads v back. The schedule runs whole rounds of p micro-batches: m % p == 0.
+Zero bubble V (`schedule="zero_bubble_v"`: torch's ScheduleZBVZeroBubble) splits the units into 2p chunks
+placed in a V: device d holds chunks d and 2p - 1 - d (the first and the last on device 0, which runs the
+loss), any micro-batch count.
 """
 from __future__ import annotations
 
@@ -52,8 +55,11 @@ from autopar.pipeline.stages import (
     INTERLEAVE,
     INTERLEAVED,
     SCHEDULES,
+    V_SHAPED,
     ZERO_BUBBLE,
+    chunk_device,
     chunk_in_flight,
+    chunk_memory,
     partition,
     step_weight,
 )
@@ -101,6 +107,11 @@ def schedule_options(num_stages, num_microbatches, schedule, virtual_stages=None
     m = num_stages if num_microbatches is None else num_microbatches
     if not isinstance(m, int) or m < 1:
         raise InputError(f"num_microbatches must be a positive int, got {m!r}")
+    if schedule in V_SHAPED:   # torch's ZB-V: two chunks per device, any micro-batch count
+        if virtual_stages not in (None, 2):
+            raise InputError(f"schedule='{schedule}' runs exactly two chunks per device (torch's "
+                             f"ScheduleZBVZeroBubble); virtual_stages={virtual_stages!r}: drop it or pass 2")
+        return m, schedule, 2
     if schedule not in INTERLEAVED:
         if virtual_stages not in (None, 1):
             raise InputError(f"virtual_stages={virtual_stages!r} applies to the interleaved schedules only: "
@@ -327,14 +338,15 @@ def _solve_row(prob, fixed, time_limit, row: float, recompute_too: bool):
 def widen(one_stage: Plan, mesh: Mesh, layers, split, m: int, schedule: str, budget, captured,
           virtual_stages: int = 1) -> Plan:
     """The SPMD plan of one stage -> the pipelined plan: "R" on the pp axis everywhere, stages (one per
-    chunk when interleaved: chunk k on device k % p), step time."""
+    chunk when interleaved: chunk k on device k % p, or in a V: `stages.chunk_device`), step time."""
     p, per_stage, chunks = mesh.shape[0], int(np.prod(mesh.shape[1:])), mesh.shape[0] * virtual_stages
     bounds = list(split.bounds) + [len(layers)]
-    chunk_memory = (split.stage_memory if virtual_stages == 1 else
-                    _chunk_memory(layers, bounds, schedule, p, m, virtual_stages))
+    memory = (split.stage_memory if virtual_stages == 1 else
+              chunk_memory(layers, bounds[:-1], schedule, p, m, virtual_stages))
     stages = tuple(StagePlan(index=k, modules=tuple(l.name for l in layers[bounds[k]:bounds[k + 1]]),
-                             ranks=tuple(range((k % p) * per_stage, (k % p + 1) * per_stage)),
-                             predicted_time=float(split.stage_times[k]), memory=float(chunk_memory[k]))
+                             ranks=tuple(range(chunk_device(schedule, p, k) * per_stage,
+                                               (chunk_device(schedule, p, k) + 1) * per_stage)),
+                             predicted_time=float(split.stage_times[k]), memory=float(memory[k]))
                    for k in range(chunks))
     R = ("R",)
     params = {n: ParamPlacement(v.name, v.shape, R + tuple(v.use), R + tuple(v.master), R + tuple(v.grad),
@@ -343,8 +355,9 @@ def widen(one_stage: Plan, mesh: Mesh, layers, split, m: int, schedule: str, bud
     nodes = {n: NodeChoice(tuple(None if o is None else R + tuple(o) for o in v.outs),
                            tuple(None if i is None else R + tuple(i) for i in v.ins), v.module, v.phase)
              for n, v in one_stage.nodes.items()}
-    fullest = int(np.argmax(split.stage_memory))   # a device: its chunks are fullest, fullest + p, ...
-    share = sum(l.state_bytes for k in range(fullest, chunks, p) for l in layers[bounds[k]:bounds[k + 1]]) / max(
+    fullest = int(np.argmax(split.stage_memory))   # a device: its chunks (`stages.chunk_device`)
+    share = sum(l.state_bytes for k in range(chunks) if chunk_device(schedule, p, k) == fullest
+                for l in layers[bounds[k]:bounds[k + 1]]) / max(
         sum(l.state_bytes for l in layers), 1.0)
     state = {k: v * share for k, v in one_stage.memory_breakdown.items() if k != "activations"}
     breakdown = {**state, "activations": max(0.0, float(split.stage_memory[fullest]) - sum(state.values()))}
@@ -363,18 +376,6 @@ def widen(one_stage: Plan, mesh: Mesh, layers, split, m: int, schedule: str, bud
         memory_per_device=float(max(split.stage_memory)), memory_breakdown=breakdown, memory_budget=budget,
         feasible=not reason, infeasible_reason=reason, fingerprint=spmd.fingerprint(captured, mesh),
         solver={**one_stage.solver, "bubble_fraction": float(split.bubble_fraction)})
-
-
-def _chunk_memory(layers, bounds: list[int], schedule: str, p: int, m: int, v: int) -> list[float]:
-    """Bytes per device of each interleaved chunk: its state plus its share of the device's in-flight
-    activations and, under zero bubble, of its carried gradients (`stages.memory_counts`, as
-    `stages.partition` counts them; a device's memory is the sum over its chunks)."""
-    from autopar.pipeline.stages import memory_counts
-    out = []
-    for k, (count, carried) in enumerate(memory_counts(schedule, p, m, v)):
-        units = layers[bounds[k]:bounds[k + 1]]
-        out.append(sum(l.state_bytes + count * l.activation_bytes + carried * l.carried_bytes for l in units))
-    return out
 
 
 def stage_plan(plan: Plan) -> Plan:

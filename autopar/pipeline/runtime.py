@@ -11,7 +11,8 @@ reads) and the backward program (boundary gradients in, input-activation and par
 `compile=True` each of them is Inductor's code (`autopar.runtime.compile`). torch.distributed.pipelining's
 PipelineStage and ScheduleGPipe / Schedule1F1B run
 the micro-batches; an interleaved plan (p*v chunks, rank d holding chunks d, d+p, ...) builds one
-PipelineStage per chunk it holds and runs them with ScheduleInterleaved1F1B. A parameter used by
+PipelineStage per chunk it holds and runs them with ScheduleInterleaved1F1B (zero bubble V: chunks d and
+2p - 1 - d, ScheduleZBVZeroBubble; rank 0 then runs the first and the last chunk, the loss). A parameter used by
 several stages (a tied embedding) lives once on each rank that holds one of them (shared by that
 rank's chunks, whose contributions autograd sums) and its gradient is all-reduced between those
 ranks after the schedule (Megatron's embedding group).
@@ -49,9 +50,11 @@ from torch.distributed.pipelining import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 from torch.distributed.tensor import distribute_tensor
 
+from autopar import _torch_compat as compat
 from autopar.capture import precision
 from autopar.capture.canonicalize import canonicalize
 from autopar.capture.trace import capture
@@ -66,7 +69,7 @@ from autopar.passes.split_stages import StageProgram, split_stages
 from autopar.passes.split_weight_grads import with_weight_split
 from autopar.pipeline import planning as pp
 from autopar.pipeline.stage_module import StageModule
-from autopar.pipeline.stages import ZERO_BUBBLES
+from autopar.pipeline.stages import V_SHAPED, ZERO_BUBBLES, chunk_device
 from autopar.plan import Plan
 from autopar.planning.spmd import fingerprint
 from autopar.runtime import checkpoint, optim, safetensors_io, state
@@ -76,12 +79,12 @@ from autopar.runtime.materialize import is_meta, model_tensors
 from autopar.runtime.tensors import get_tensor, set_tensor
 
 # zero bubble is torch's ZB1P (ScheduleInterleavedZeroBubble) on one chunk per device, interleaved zero bubble the
-# same on v chunks per device
+# same on v chunks per device, zero bubble V torch's ZB-V (two chunks per device in a V)
 SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
                     "zero_bubble": ScheduleInterleavedZeroBubble,
-                    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble}
+                    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble, "zero_bubble_v": ScheduleZBVZeroBubble}
 # schedules that take a list of this rank's PipelineStages
-MULTI_STAGE = ("interleaved_1f1b", "zero_bubble", "interleaved_zero_bubble")
+MULTI_STAGE = ("interleaved_1f1b", "zero_bubble", "interleaved_zero_bubble", "zero_bubble_v")
 SPLIT_BACKWARD = ZERO_BUBBLES   # schedules that run B and W apart (passes/split_weight_grads.py)
 
 
@@ -148,7 +151,9 @@ class PipelinedModule(DataParallelInputs, nn.Module):
         object.__setattr__(self, "device_mesh", device_mesh)
         object.__setattr__(self, "sub_mesh", sub_dm)
         self._pp_rank, self._num_ranks = coords[0], plan.mesh.shape[0]
-        self._chunks = list(range(self._pp_rank, len(programs), self._num_ranks))   # chunks d, d+p, ...
+        # chunks d, d + p, ... (in a V: d and 2p - 1 - d), and the rank of the last one, which runs the loss
+        self._chunks = [k for k in range(len(programs)) if chunk_device(plan.schedule, self._num_ranks, k) == self._pp_rank]
+        self._loss_rank = chunk_device(plan.schedule, self._num_ranks, len(programs) - 1)
         self._per_stage = device_mesh.size() // self._num_ranks
         self._m, self._device = plan.num_microbatches, torch.device(device)
         self._input_names = list(captured.input_names)
@@ -158,21 +163,25 @@ class PipelinedModule(DataParallelInputs, nn.Module):
                                         [parse_spec(stage_plan.nodes[n.name].outs[0]) for n in inputs], coords[1:],
                                         tuple(sub_dm.shape), mesh=sub_dm, microbatches=self._m, reads=input_reads)
         names = [*captured.param_names, *captured.buffer_names]
-        self._state, self._owner = state.state_entries(model, names), _owners(programs, self._num_ranks, names)
+        self._state, self._owner = state.state_entries(model, names), _owners(programs, self._rank_of, names)
         params, buffers = self._distribute(model, captured, [programs[k] for k in self._chunks], stage_plan, init_fn)
         state.install(self, self._state)   # state_dict(): the model's keys this rank holds; loads the model's
         last = len(programs) - 1
         object.__setattr__(self, "_stages", [StageModule(programs[k], params, buffers, k == last, sub_dm)
                                              for k in self._chunks])
-        self._shared = _shared_groups(programs, self._pp_rank, self._num_ranks, self._per_stage, coords[1:], sub_dm)
+        self._shared = _shared_groups(programs, self._pp_rank, self._rank_of, self._per_stage, coords[1:], sub_dm)
         self._deferred = _deferred_by_axis([programs[k] for k in self._chunks])
         pipes = [self._pipeline_stage(programs[k], mod, k, len(programs), sub_dm)
                  for k, mod in zip(self._chunks, self._stages)]
         # scale_grads=False: train_step divides each gradient by m once (torch scales per stage, which
         # would divide a parameter shared by two chunks of this rank twice)
-        schedule = SCHEDULE_CLASSES[plan.schedule](pipes if plan.schedule in MULTI_STAGE else pipes[0], self._m,
-                                                   loss_fn=_loss_is_output, scale_grads=False)
+        cls, stages = SCHEDULE_CLASSES[plan.schedule], pipes if plan.schedule in MULTI_STAGE else pipes[0]
+        schedule = cls(stages, self._m, loss_fn=_loss_is_output, scale_grads=False)
         object.__setattr__(self, "_schedule", schedule)
+        # forward-only evaluation: the same schedule, but a V's forwards alone (torch's eval of it fails)
+        evaluate = compat.forward_only_schedule(cls, stages, self._m, loss_fn=_loss_is_output, scale_grads=False) \
+            if plan.schedule in V_SHAPED else schedule
+        object.__setattr__(self, "_evaluate", evaluate)
 
     def _distribute(self, model, captured, programs: list[StageProgram], stage_plan: Plan,
                     init_fn) -> tuple[dict, dict]:
@@ -206,6 +215,10 @@ class PipelinedModule(DataParallelInputs, nn.Module):
                              group=self.device_mesh.get_group(0),
                              dw_builder=module.weight_runner if program.backward_weight is not None else None)
 
+    def _rank_of(self, chunk: int) -> int:
+        """The pipeline rank running chunk `chunk` (`stages.chunk_device`)."""
+        return chunk_device(self.plan.schedule, self._num_ranks, chunk)
+
     # ------------------------------------------------------------------ running
     @property
     def needs_inputs(self) -> bool:
@@ -220,20 +233,20 @@ class PipelinedModule(DataParallelInputs, nn.Module):
 
     def _run(self, inputs: tuple, kwargs: dict, train: bool) -> torch.Tensor:
         args = self._stage_inputs(inputs, kwargs) if self._pp_rank == 0 else []
-        last = self._pp_rank == self._num_ranks - 1   # the last chunk's rank (chunk p*v - 1 is on rank p - 1)
+        last = self._pp_rank == self._loss_rank   # the last chunk's rank
         losses: list = []
         extra = dict(target=torch.zeros(self._m), losses=losses, return_outputs=False) if last else {}
         for stage in self._stages:   # ZeRO-1/2 gathers: once per step, kept for every micro-batch
             stage.begin_step()
         try:
-            (self._schedule.step if train else self._schedule.eval)(*args, **extra)
+            (self._schedule.step if train else self._evaluate.eval)(*args, **extra)
         finally:
             for stage in self._stages:
                 stage.end_step()
         if train:   # before the world-wide broadcast: a stage that drains early reduces while others finish
             self._reduce_deferred()
         loss = torch.stack([x.detach() for x in losses]).mean() if last else torch.zeros(())
-        dist.broadcast(loss, src=(self._num_ranks - 1) * self._per_stage)  # one source for the whole world
+        dist.broadcast(loss, src=self._loss_rank * self._per_stage)  # one source for the whole world
         return loss
 
     def train_step(self, *inputs, **kwargs) -> torch.Tensor:
@@ -346,13 +359,14 @@ def _shared_seed(model, device) -> int | None:
     return int(seed.item())
 
 
-def _owners(programs: list[StageProgram], num_ranks: int, names: list[str]) -> dict[str, int]:
+def _owners(programs: list[StageProgram], rank_of, names: list[str]) -> dict[str, int]:
     """The pipeline rank that owns each parameter or buffer in a state dict: the lowest whose chunks read
-    it (a tied one lives on each that reads it), rank 0 for one no program reads (an unused pooler)."""
+    it (a tied one lives on each that reads it), rank 0 for one no program reads (an unused pooler).
+    `rank_of(k)`: chunk k's pipeline rank."""
     owner: dict[str, int] = {}
     for prog in programs:
         for n in [*prog.params, *prog.buffers]:
-            owner[n] = min(owner.get(n, num_ranks), prog.index % num_ranks)
+            owner[n] = min(owner.get(n, len(programs)), rank_of(prog.index))
     return {n: owner.get(n, 0) for n in names}
 
 
@@ -393,14 +407,14 @@ def _deferred_by_axis(programs: list[StageProgram]) -> list[tuple[int, list[tupl
             for axis in sorted(by_axis)]
 
 
-def _shared_groups(programs, pp_rank: int, num_ranks: int, per_stage: int, coords, sub_dm) -> list:
+def _shared_groups(programs, pp_rank: int, rank_of, per_stage: int, coords, sub_dm) -> list:
     """(param, process group of its copies at this sub-mesh coordinate) for each parameter that chunks
-    on several pipeline ranks share (chunk k runs on rank k % num_ranks; chunks of one rank share one
+    on several pipeline ranks share (chunk k runs on rank `rank_of(k)`; chunks of one rank share one
     copy). Every rank creates every group, in the same order (new_group's rule)."""
     owners: dict[str, set[int]] = {}
     for prog in programs:
         for name in prog.shared_params:
-            owners.setdefault(name, set()).add(prog.index % num_ranks)
+            owners.setdefault(name, set()).add(rank_of(prog.index))
     mine, index = [], _flat(coords, sub_dm)
     for name in sorted(n for n, ranks in owners.items() if len(ranks) > 1):
         for j in range(per_stage):

@@ -19,7 +19,11 @@ Schedules (p stages, m micro-batches, times t_i = f_i + b_i):
     zero_bubble         each stage's backward as B (input gradients) and W (weight gradients, t_i = f_i +
                         b_i + w_i), run in torch's ZB-H1 order (`ScheduleInterleavedZeroBubble`, one stage
                         per device): step = the longest path of that order with these times
-                        (`zero_bubble_step`); balanced, m(f + b + w) + (p - 1)(f + b - w)
+                        (`zero_bubble_step`); balanced, m(f + b + w) + (p - 1)(f + b - w). Interleaved
+                        zero bubble: the same on v chunks per device (d, d + p, ...); zero_bubble_v:
+                        torch's ZB-V order (`ScheduleZBVZeroBubble`) on two chunks per device in a V
+                        (d and 2p - 1 - d), priced the same way, the cut between chunks p - 1 and p (one
+                        device, no transfer) free
     bubble fraction     (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1) (balanced stages)
 The first term is the first micro-batch's trip through every stage (fill and drain), the second
 the steady state paced by the slowest stage. Both are exact for a flow shop of identical jobs
@@ -70,18 +74,41 @@ import numpy as np
 from autopar.costmodel.memory import format_bytes
 from autopar.errors import InfeasiblePlanError, InputError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "interleaved_zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "interleaved_zero_bubble", "zero_bubble_v")
 ZERO_BUBBLE = "zero_bubble"
 INTERLEAVED_ZERO_BUBBLE = "interleaved_zero_bubble"
-ZERO_BUBBLES = (ZERO_BUBBLE, INTERLEAVED_ZERO_BUBBLE)       # B and W apart, in torch's ZB1P order
+ZERO_BUBBLE_V = "zero_bubble_v"   # torch's ScheduleZBVZeroBubble: two chunks per device in a V
+ZERO_BUBBLES = (ZERO_BUBBLE, INTERLEAVED_ZERO_BUBBLE, ZERO_BUBBLE_V)   # B and W apart, in torch's own order
 INTERLEAVED = ("interleaved_1f1b", INTERLEAVED_ZERO_BUBBLE)  # v chunks per device, "loop" placement
+V_SHAPED = (ZERO_BUBBLE_V,)   # two chunks per device, "v" placement: device d holds chunks d and 2p - 1 - d
 ROUND_SHARES = (0.4, 0.6)   # `_round_shares`: the first round's share of a device's budget, besides 1 / v
 INTERLEAVE = 2            # chunks per device (v) of the interleaved schedules, unless the caller says otherwise
 
 
 def chunks_per_device(schedule: str, v: int = INTERLEAVE) -> int:
-    """v for the interleaved schedules (`INTERLEAVED`), 1 for the others."""
-    return v if schedule in INTERLEAVED else 1
+    """v for the interleaved schedules (`INTERLEAVED`), 2 for the V-shaped ones, 1 for the others."""
+    return v if schedule in INTERLEAVED else 2 if schedule in V_SHAPED else 1
+
+
+def chunk_device(schedule: str, p: int, chunk: int) -> int:
+    """The device (pipeline rank) of chunk `chunk` of p * v: chunk % p ("loop": d, d + p, ...), or in a V
+    (`V_SHAPED`) chunk for the first p and 2p - 1 - chunk for the rest."""
+    if schedule in V_SHAPED and chunk >= p:
+        return 2 * p - 1 - chunk
+    return chunk % p
+
+
+def device_chunks(schedule: str, p: int, v: int) -> np.ndarray:
+    """Chunk indices as a (v, p) array: row r, column d is device d's chunk of round r (`chunk_device`)."""
+    order = np.arange(p * v).reshape(v, p)
+    if schedule in V_SHAPED:
+        order[1] = order[1][::-1]
+    return order
+
+
+def _per_device(x: np.ndarray, schedule: str, p: int, v: int) -> np.ndarray:
+    """Per chunk values summed per device (`device_chunks`)."""
+    return x[device_chunks(schedule, p, v)].sum(axis=0)
 
 
 @dataclass(frozen=True)
@@ -145,7 +172,7 @@ def in_flight(schedule: str, p: int, m: int, stage: int, v: int = 1) -> int:
     if schedule == "1f1b":
         return min(m, p - stage)
     if schedule in ZERO_BUBBLES:   # forwards whose W has not run yet, at the peak of torch's own order
-        return _zero_bubble_order(p, m, chunks_per_device(schedule, v))[1][stage]
+        return _zero_bubble_order(p, m, chunks_per_device(schedule, v), schedule in V_SHAPED)[1][stage]
     return min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
 
 
@@ -161,22 +188,25 @@ def schedule_step_time(fwd: Sequence[float], bwd: Sequence[float], m: int, sched
     if n != len(bwd) or n % vv:
         raise InputError(f"{len(fwd)} forward and {len(bwd)} backward times for v={vv} chunks per stage")
     cut = p2p * (np.r_[0.0, np.ones(n - 1)] + np.r_[np.ones(n - 1), 0.0])
+    if schedule in V_SHAPED:   # chunks p - 1 and p share a device: no transfer between them
+        cut[n // 2 - 1: n // 2 + 1] -= p2p
     if schedule in ZERO_BUBBLES:
         w = np.zeros(n) if weight is None else np.asarray(weight, float)
-        return zero_bubble_step(np.asarray(fwd, float) + cut / 2, np.asarray(bwd, float) - w + cut / 2, w, m, vv)
+        return zero_bubble_step(np.asarray(fwd, float) + cut / 2, np.asarray(bwd, float) - w + cut / 2, w, m, vv,
+                                schedule in V_SHAPED)
     t = np.asarray(fwd, float) + np.asarray(bwd, float) + cut
     return _step(t, m, schedule, vv)
 
 
 @functools.lru_cache(maxsize=32)
-def _zero_bubble_order(p: int, m: int, v: int = 1) -> tuple[tuple, tuple[int, ...], tuple[int, ...]]:
-    """torch's ZB1P order on p devices of v chunks each (stages d, d + p, ...), m micro-batches
-    (`compat.zero_bubble_order`), as a dependency graph: actions (stage, kind, previous action of the rank,
+def _zero_bubble_order(p: int, m: int, v: int = 1, v_shape: bool = False) -> tuple[tuple, tuple[int, ...], tuple[int, ...]]:
+    """torch's ZB1P order on p devices of v chunks each (stages d, d + p, ...; `v_shape`: its ZB-V order, stages
+    d and 2p - 1 - d), m micro-batches (`compat.zero_bubble_order`), as a dependency graph: actions (stage, kind, previous action of the rank,
     actions it waits for) in an order that respects them; each device's peak of forwards whose W has not run
     (chunk-micro-batches); and its peak of micro-batches whose B has run and W not, on its stages but the
     first (stage 0's B is empty: the runtime runs its whole backward as W)."""
     from autopar import _torch_compat as compat
-    order = compat.zero_bubble_order(p, m, v)
+    order = compat.zero_bubble_order(p, m, v, v_shape)
     last_stage = p * v - 1
     index: dict = {}
     actions: list = []
@@ -212,7 +242,7 @@ def _zero_bubble_order(p: int, m: int, v: int = 1) -> tuple[tuple, tuple[int, ..
     return tuple(actions), tuple(peaks), tuple(waiting)
 
 
-def zero_bubble_step(f: np.ndarray, b: np.ndarray, w: np.ndarray, m: int, v: int = 1) -> float:
+def zero_bubble_step(f: np.ndarray, b: np.ndarray, w: np.ndarray, m: int, v: int = 1, v_shape: bool = False) -> float:
     """The step of torch's zero-bubble order (`_zero_bubble_order`) for per-stage (per-chunk: v per device)
     forward `f`, input-gradient `b` and weight-gradient `w` seconds per micro-batch: each action starts when
     its rank is free and what it waits for is done (the longest path of the order's dependency graph).
@@ -221,7 +251,7 @@ def zero_bubble_step(f: np.ndarray, b: np.ndarray, w: np.ndarray, m: int, v: int
     p = len(f) // v
     b, w = np.array(b, float), np.array(w, float)
     w[0], b[0] = w[0] + b[0], 0.0
-    kind, stage, prev, dep_a, dep_b = _zero_bubble_arrays(p, m, v)
+    kind, stage, prev, dep_a, dep_b = _zero_bubble_arrays(p, m, v, v_shape)
     dur = np.stack([np.asarray(f, float), b, w, b + w])[kind, stage].tolist()   # each action's seconds
     end = [0.0] * (len(dur) + 1)   # end[-1] = 0.0: "no such action"
     for i, (d, r, x, y) in enumerate(zip(dur, prev, dep_a, dep_b)):
@@ -235,11 +265,11 @@ def zero_bubble_step(f: np.ndarray, b: np.ndarray, w: np.ndarray, m: int, v: int
 
 
 @functools.lru_cache(maxsize=32)
-def _zero_bubble_arrays(p: int, m: int, v: int) -> tuple[np.ndarray, np.ndarray, list, list, list]:
+def _zero_bubble_arrays(p: int, m: int, v: int, v_shape: bool = False) -> tuple[np.ndarray, np.ndarray, list, list, list]:
     """`_zero_bubble_order`'s actions as flat arrays for `zero_bubble_step`'s walk: kind (0 F, 1 I, 2 W, 3 B) and
     stage per action (numpy, to gather durations), the rank's previous action and up to two actions waited
     for (lists; -1: none)."""
-    actions = _zero_bubble_order(p, m, v)[0]
+    actions = _zero_bubble_order(p, m, v, v_shape)[0]
     codes = {"F": 0, "I": 1, "W": 2, "B": 3}
     kind = np.array([codes[k] for _, k, _, _ in actions], dtype=np.intp)
     stage = np.array([s for s, _, _, _ in actions], dtype=np.intp)
@@ -316,8 +346,9 @@ def memory_counts(schedule: str, p: int, m: int, v: int) -> list[tuple[float, in
     if schedule not in ZERO_BUBBLES:
         return [(c, 0) for c in counts]
     # interleaved: a device's peak (chunk-micro-batches) spread over its chunks that have a B, as activations are
-    waiting = _zero_bubble_order(p, m, v)[2]
-    return [(c, waiting[k % p] / (v - (k % p == 0)) if k else 0) for k, c in enumerate(counts)]
+    waiting = _zero_bubble_order(p, m, v, schedule in V_SHAPED)[2]
+    device = [chunk_device(schedule, p, k) for k in range(p * v)]
+    return [(c, waiting[device[k]] / (v - (device[k] == 0)) if k else 0) for k, c in enumerate(counts)]
 
 
 def _stage_memory(layers: Sequence[LayerCost], counts: Sequence[tuple[float, int]]) -> dict[tuple, np.ndarray]:
@@ -390,7 +421,7 @@ def partition(layers: Sequence[LayerCost], p: int, m: int, schedule: str, *, p2p
     budget = np.inf if memory_budget is None else float(memory_budget)
     weight = m * vv - 1   # gpipe/1f1b: m - 1; interleaved: (m - 1/v) * v
     per_step, shared = _prefix(layers, "per_step"), _shared(layers, 2)
-    parts = _parts(layers, schedule)
+    parts = _parts(layers, schedule, p2p_time)
     best = None
     shares = _round_shares(vv) if np.isfinite(budget) else [(1.0,) * vv]
     if vv > 1 and np.isfinite(budget):
@@ -429,8 +460,20 @@ def priced_split(layers: Sequence[LayerCost], bounds: Sequence[int], p: int, m: 
     counts = memory_counts(schedule, p, m, vv)
     mem = _stage_memory(layers, counts)
     split = _split(stage_time_matrix(layers, p2p_time), np.stack([mem[c] for c in counts]), list(bounds), m,
-                   schedule, vv, _prefix(layers, "per_step"), _shared(layers, 2), _parts(layers, schedule))
+                   schedule, vv, _prefix(layers, "per_step"), _shared(layers, 2), _parts(layers, schedule, p2p_time))
     return dataclasses.replace(split, step_time=split.step_time + overhead) if overhead else split
+
+
+def chunk_memory(layers: Sequence[LayerCost], bounds: Sequence[int], schedule: str, p: int, m: int,
+                 v: int = 1) -> list[float]:
+    """Bytes of each chunk of the split cut at `bounds` as `partition` counts them (a device's memory is the sum
+    over its chunks): its state, shared copies included, plus its share of the device's in-flight activations
+    and, under zero bubble, of its carried gradients (`memory_counts`)."""
+    vv = chunks_per_device(schedule, v)
+    counts = memory_counts(schedule, p, m, vv)
+    mem = _stage_memory(layers, counts)
+    ends = list(bounds[1:]) + [len(layers)]
+    return [float(mem[c][a, b - 1]) for c, a, b in zip(counts, bounds, ends)]
 
 
 def _round_shares(v: int) -> list[tuple[float, ...]]:
@@ -513,9 +556,9 @@ def _first_feasible(T: np.ndarray, masks: list[np.ndarray], values: np.ndarray) 
 def chunk_in_flight(schedule: str, p: int, m: int, chunk: int, v: int) -> float:
     """In-flight micro-batches of chunk `chunk` (its stage's count; interleaved spreads a device's
     chunk-micro-batches over its v chunks)."""
-    if schedule not in INTERLEAVED:
+    if schedule not in INTERLEAVED + V_SHAPED:
         return in_flight(schedule, p, m, chunk)
-    return in_flight(schedule, p, m, chunk % p, v) / v
+    return in_flight(schedule, p, m, chunk_device(schedule, p, chunk), v) / chunks_per_device(schedule, v)
 
 
 def _min_memory(mem: dict, counts: list[tuple], T: np.ndarray) -> float:
@@ -531,11 +574,14 @@ def _min_memory(mem: dict, counts: list[tuple], T: np.ndarray) -> float:
     return float(values[lo])
 
 
-def _parts(layers: Sequence[LayerCost], schedule: str):
-    """(forward, backward, weight) segment matrices, which zero bubble's step needs apart; None otherwise."""
+def _parts(layers: Sequence[LayerCost], schedule: str, p2p_time: Callable[[float], float]):
+    """(forward, backward, weight) segment matrices, which zero bubble's step needs apart, and each cut's
+    transfer seconds (`stage_time_matrix`'s c(l): in a V the cut between chunks p - 1 and p stays on one
+    device, which `_split` takes off); None for the other schedules."""
     if schedule not in ZERO_BUBBLES:
         return None
-    return tuple(_segment(_prefix(layers, attr)) for attr in ("forward", "backward", "weight"))
+    cut = np.array([p2p_time(x.boundary_bytes) for x in layers[:-1]] + [0.0])
+    return (*(_segment(_prefix(layers, attr)) for attr in ("forward", "backward", "weight")), cut)
 
 
 def _split(T, cm, bounds, m, schedule, v, per_step: np.ndarray, shared: np.ndarray,
@@ -548,16 +594,19 @@ def _split(T, cm, bounds, m, schedule, v, per_step: np.ndarray, shared: np.ndarr
     a = np.asarray(bounds)
     e = np.r_[a[1:], n] - 1   # each chunk's last unit
     times = T[a, e]
-    memory = cm[np.arange(len(a)), a, e].reshape(v, p).sum(axis=0)   # a device's chunks d, d+p, ...: their sum
+    if schedule in V_SHAPED:   # chunks p - 1 and p share a device: no transfer between them
+        local = parts[3][e[p - 1]]
+        times = times - np.r_[np.zeros(p - 1), local, local, np.zeros(p - 1)]
+    memory = _per_device(cm[np.arange(len(a)), a, e], schedule, p, v)   # a device's chunks: their sum
     if memory.max() > budget:
         return None
-    once = (per_step[e + 1] - per_step[a] + shared[a, e]).reshape(v, p).sum(axis=0)
+    once = _per_device(per_step[e + 1] - per_step[a] + shared[a, e], schedule, p, v)
     if schedule in ZERO_BUBBLES:   # the cut transfers (T's rest), half with the forward, half with B
-        if m * float(times.reshape(v, p).sum(axis=0).max()) + float(once.max()) >= cutoff:
+        if m * float(_per_device(times, schedule, p, v).max()) + float(once.max()) >= cutoff:
             return None
-        f, bwd, w = (x[a, e] for x in parts)
+        f, bwd, w = (x[a, e] for x in parts[:3])
         cut = times - f - bwd
-        sim = zero_bubble_step(f + cut / 2, bwd - w + cut / 2, w, m, v)
+        sim = zero_bubble_step(f + cut / 2, bwd - w + cut / 2, w, m, v, schedule in V_SHAPED)
     step = (sim if schedule in ZERO_BUBBLES else _step(times, m, schedule, v)) + float(once.max())
     busy = (m * times.sum() + once.sum()) / p
     return StageSplit(tuple(a.tolist()), tuple(times.tolist()), tuple(memory.tolist()), step,
