@@ -4,12 +4,12 @@
     python benchmarks/pipeline_memory.py --schedules 1f1b zero_bubble
 
 A GPT (4 layers x 512, batch 32 x 512) is planned as two stages with 8 micro-batches under each schedule
-(`autoparallelize(num_stages=2, schedule=...)`). Measured: each rank's peak resident memory during one
+(`autoparallelize(num_stages=2, schedule=...)`; the interleaved and V schedules: two chunks per rank). Measured: each rank's peak resident memory during one
 `train_step` above its resident memory before it (VmHWM after resetting it through /proc/self/clear_refs),
 the third step of the process, with glibc's allocator told to map every block of 64 kB or more on its
 own (MALLOC_MMAP_THRESHOLD_), so that a freed activation leaves the resident set at once and the peak is
 the step's own: the gradients, the activations the schedule keeps and the step's temporaries. Predicted:
-the plan's bytes of that stage (parameters, gradients, optimizer state, in-flight activations). The
+the plan's bytes of that rank's stage or chunks (parameters, gradients, optimizer state, in-flight activations). The
 state the step does not allocate (parameters, optimizer state) and what every schedule allocates alike
 cancel in the difference to 1F1B, which is what the table compares: the in-flight memory of the schedule.
 Linux only (/proc).
@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-SCHEDULES = ("gpipe", "1f1b", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "zero_bubble", "interleaved_zero_bubble", "zero_bubble_v")
 MiB = 2 ** 20
 
 
@@ -62,7 +62,8 @@ def rank_main(schedule: str, out_dir: str) -> None:
     growth = _status("VmHWM") - before
     rank = dist.get_rank()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"schedule": schedule, "rank": rank, "measured": growth, "predicted": pmodel.plan.stages[rank].memory}, f)
+        predicted = sum(st.memory for st in pmodel.plan.stages if rank in st.ranks)   # its chunks (interleaved: 2)
+        json.dump({"schedule": schedule, "rank": rank, "measured": growth, "predicted": predicted}, f)
     dist.destroy_process_group()
 
 

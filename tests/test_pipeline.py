@@ -438,17 +438,20 @@ def test_pp2_with_dp_and_tp_matches_single_process():
 def test_zero_bubble_with_zero3_and_tp_matches_single_process():
     """World 4, schedule="zero_bubble": pp=2 x dp=2 with ZeRO-3 inside the stages (each parameter gathered in
     B and W where they read it, its gradient reduce-scattered in W) and pp=2 x tp=2 (the activation gradients'
-    all-reduces in B): equal one process, and W ran every micro-batch's parameter gradients."""
+    all-reduces in B), and pp=2 x dp=2 with ZeRO-3 under zero bubble V (two chunks per rank in a V): equal one
+    process, and W ran every micro-batch's parameter gradients."""
     case = models.tiny_gpt(batch=8, seq=16)
     batches = models.zoo_batches(case, STEPS)
     kws = [dict(mesh=autopar.Mesh((2, 2), axis_names=("pp", "dp")), strategy="zero3", schedule="zero_bubble",
                 num_microbatches=4),
-           dict(mesh=autopar.Mesh((2, 2), axis_names=("pp", "tp")), strategy="tp", schedule="zero_bubble")]
+           dict(mesh=autopar.Mesh((2, 2), axis_names=("pp", "tp")), strategy="tp", schedule="zero_bubble"),
+           dict(mesh=autopar.Mesh((2, 2), axis_names=("pp", "dp")), strategy="zero3", schedule="zero_bubble_v",
+                num_microbatches=4)]
     results = run_distributed(train_pipelined, 4, case.model, batches, STEPS, kws, timeout=900)
     _compare(results, case, batches, kws, 4)
     for rank in range(4):
         for i, kw in enumerate(kws):
-            m = kw.get("num_microbatches", 2)
+            m = kw.get("num_microbatches", 2) * chunks_per_device(kw["schedule"])   # per chunk
             assert results[rank][i]["runs"] == {"forward": m, "backward_input": m, "backward_weight": m}, (rank, kw)
 
 
