@@ -15,7 +15,7 @@ One capture of the whole batch (under the mixed-precision policy, with `example_
      plan found (`spmd.PlanCutoff`); else the plan's table says so, with that bound. Where that plan
      fits, nothing waits.
   2. pp >= 2: the pipeline candidates of `autopar.pipeline.search` (pp x dp x tp with tp inside a
-     node, micro-batch counts, the runtime's schedules, zero bubble included; GPipe only where 1F1B of the same candidate is
+     node, micro-batch counts, the runtime's schedules, zero bubble in a loop and in a V included; GPipe only where 1F1B of the same candidate is
      not searched, which no GPipe plan beats: `search.dominated_by_1f1b`), and gradient accumulation
      (pp = 1 with m = 2 or 4 micro-batches on each dp x tp sub-mesh: one stage, the micro-batches one
      after another, their gradients reduced once per step; activations of one micro-batch held, no
@@ -72,7 +72,7 @@ from autopar.pipeline import planning as pipelined
 from autopar.pipeline import regrid
 from autopar.pipeline.candidates import Candidate, branch_and_bound
 from autopar.pipeline.search import DEFAULT_SCHEDULES, Profiler, batch_size, candidate_jobs, state_floor
-from autopar.pipeline.stages import INTERLEAVE, chunks_per_device, step_lower_bound
+from autopar.pipeline.stages import INTERLEAVE, V_SHAPED, chunks_per_device, step_lower_bound
 from autopar.plan import Plan
 from autopar.planning import assemble, collector, spmd
 from autopar.sharding import recipes
@@ -82,7 +82,8 @@ DEFER = 0.0   # `spmd.plan_captured`'s cutoff for a first pass that stops wherev
 FAST_RATIO = 4.0   # search="fast" searches pipelines when the 1-D SPMD step exceeds this times their least bound
 PROBE_MICROBATCHES = 8   # ... else it prices pipelines of this many micro-batches (or fewer) on 1-D sub-meshes
 PROBE_MEMORY_SHARE = 0.05   # ... where an SPMD plan holds this share of the budget (the device's memory) or more
-SMALL_SEARCH = 80   # ... and searches them all there when there are this few pipeline candidates (<= 16 devices)
+SMALL_SEARCH = 80   # ... and searches them all there when there are this few pipeline candidates, zero bubble V's
+                    # aside (<= 16 devices)
 GAP_NOTE = 0.01    # an SPMD row of the summary whose solver stopped further than this from its bound says so
 
 
@@ -205,7 +206,7 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
         room = budget if budget is not None else mesh.hardware.mem_capacity
         probing = any(p.feasible and p.memory_per_device >= PROBE_MEMORY_SHARE * room for p in plans)
         # a model that fills devices: every pipeline where they are few (seconds), else the probe
-        explored = explored or (probing and _candidates(jobs) <= SMALL_SEARCH)
+        explored = explored or (probing and _candidates(jobs, v_shaped=False) <= SMALL_SEARCH)
         searched = jobs if explored else probe_jobs(jobs) if probing else []
         if searched:
             with timer("search"):
@@ -299,9 +300,10 @@ def _batch(example_inputs) -> int | None:
         return None
 
 
-def _candidates(jobs: list[tuple]) -> int:
-    """How many candidates `jobs` hold: one per (pp, dp, tp, m) and schedule."""
-    return sum(len(job[4]) for job in jobs)
+def _candidates(jobs: list[tuple], v_shaped: bool = True) -> int:
+    """How many candidates `jobs` hold: one per (pp, dp, tp, m) and schedule; `v_shaped=False` leaves out zero
+    bubble V's (SMALL_SEARCH's count: each adds splits of a group that interleaved zero bubble prices too)."""
+    return sum(sum(v_shaped or s not in V_SHAPED for s in job[4]) for job in jobs)
 
 
 def probe_jobs(jobs: list[tuple]) -> list[tuple]:
