@@ -156,15 +156,17 @@ def test_stage_programs_keep_what_the_unit_costs_predict():
 
 def test_a_tied_embedding_is_priced_on_every_stage_holding_it():
     """A tied embedding is read by the first and the last unit; the runtime holds, steps, ZeRO-gathers and
-    reduces a copy on each stage holding one of them. Its unit costs list it at both (`LayerCost.shared`),
-    and the last stage of a split adds that copy's state and per-step seconds once; untied, nothing is shared."""
+    reduces a copy on each device holding one of them. Its unit costs list it at both (`LayerCost.shared`),
+    and the last stage of a split adds that copy's state and per-step seconds once; untied, nothing is shared.
+    Two chunks per device: in a loop (interleaved zero bubble, chunk 3 on device 1) device 1 adds the copy; in a
+    V (chunks 0 and 3 on device 0, which holds the first reader) no device does (`stages._Shared.excess`)."""
     import dataclasses
 
     from autopar.capture.canonicalize import canonicalize
     from autopar.capture.trace import capture
     from autopar.pipeline import planning as pp
     from autopar.pipeline.layer_profile import layer_costs
-    from autopar.pipeline.stages import partition
+    from autopar.pipeline.stages import chunk_memory, partition, priced_split
     from autopar.planning import spmd as planner
     from autopar.planning.problem import ProblemBuilder
     from autopar.sharding import recipes
@@ -189,6 +191,16 @@ def test_a_tied_embedding_is_priced_on_every_stage_holding_it():
         assert got.stage_memory[0] == without.stage_memory[0]
         assert got.stage_memory[1] == pytest.approx(without.stage_memory[1] + state, rel=1e-12)
         assert got.step_time > without.step_time
+        bounds = (0, 2, 3, 4)   # <pre> h.0 | h.1 | h.2 | h.3 <post>
+        for schedule, device, copies in (("interleaved_zero_bubble", 1, 1), ("zero_bubble_v", 0, 0)):
+            got, without = (priced_split(ls, bounds, 2, 4, schedule, p2p_time=lambda b: 0.0, v=2)
+                            for ls in (layers, plain))
+            assert got.stage_memory[1 - device] == pytest.approx(without.stage_memory[1 - device], rel=1e-12)
+            assert got.stage_memory[device] == pytest.approx(without.stage_memory[device] + copies * state, rel=1e-12)
+            assert (got.step_time > without.step_time) == bool(copies), schedule
+            chunks = chunk_memory(layers, bounds, schedule, 2, 4, 2)   # the plan's stages: the split's devices
+            on = (0, 3) if schedule == "zero_bubble_v" else (0, 2)
+            assert chunks[on[0]] + chunks[on[1]] == pytest.approx(got.stage_memory[0], rel=1e-12)
 
 
 def _sp_case():

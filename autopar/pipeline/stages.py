@@ -55,8 +55,9 @@ chunk boundary at a time while the device formula falls and every device's chunk
 a sound plan, not proven optimal across the non-contiguous device groups (Llama-3-70B, pp 8, m 32,
 80 GB: 7.052 s by the surrogate alone, 6.537 s now).
 A tensor several units read (LayerCost.shared: a tied embedding) is counted in its first reader's
-unit; a stage that reads it without holding that unit keeps its own copy and adds its state bytes
-and per-step seconds once (the runtime holds, steps, gathers and reduces it on every such stage).
+unit; a device whose stages read it without holding that unit keeps its own copy and adds its state bytes
+and per-step seconds once (the runtime holds, steps, gathers and reduces it once on every such device: a
+device's chunks share one copy; `_Shared.excess` takes off what the per-chunk matrices count twice).
 Per-step costs (LayerCost.per_step: gradient sync, optimizer) run once after the drain, all stages
 in parallel: the step time adds max_k (per-step seconds of stage k) to each bottleneck's split, and the
 fastest is kept. The split is exact for the per-micro-batch objective; the per-step term only chooses
@@ -360,6 +361,43 @@ def _stage_memory(layers: Sequence[LayerCost], counts: Sequence[tuple[float, int
     return {(c, w): state + c * act + (w * carried if w else 0.0) for c, w in set(counts)}
 
 
+@dataclass(frozen=True)
+class _Shared:
+    """The shared tensors (`LayerCost.shared`) of a split's units: `seconds[a, b]`, the per-step seconds a stage of
+    units a..b adds (`_shared(layers, 2)`), and each tensor's readers as (unit, state bytes, per-step seconds)."""
+    seconds: np.ndarray
+    readers: tuple = ()
+
+    @staticmethod
+    def of(layers: Sequence[LayerCost]) -> "_Shared":
+        found: dict = {}
+        for u, x in enumerate(layers):
+            for entry in x.shared:
+                found.setdefault(entry[0], []).append((u, entry[1], entry[2]))
+        return _Shared(_shared(layers, 2), tuple(tuple(rows) for rows in found.values() if len(rows) > 1))
+
+    def excess(self, a: np.ndarray, schedule: str, p: int, v: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per chunk of the split starting at units `a`, (state bytes, per-step seconds) that the stage matrices
+        count beyond what its device holds. They count a copy of a shared tensor on every chunk that reads it and
+        starts after its first reader; a device holds one copy however many of its chunks read it, and none
+        where its own chunk holds the first reader (whose unit counts the tensor): a tied embedding read by
+        chunks 0 and 2p - 1, one device in a V. Zero with one chunk per device."""
+        nbytes, seconds = np.zeros(len(a)), np.zeros(len(a))
+        if v == 1 or not self.readers:
+            return nbytes, seconds
+        for rows in self.readers:
+            chunk = (np.searchsorted(a, [u for u, _, _ in rows], side="right") - 1).tolist()
+            held, prev = {chunk_device(schedule, p, chunk[0])}, chunk[0]   # the first reader's device counts it
+            for c, (_, b, t) in zip(chunk, rows):   # readers in unit order: chunks in order
+                if c == prev:   # the first reader's chunk (no copy counted), or a chunk's second reader
+                    continue
+                prev, d = c, chunk_device(schedule, p, c)
+                if d in held:   # the chunk's matrix counts a copy its device already holds
+                    nbytes[c], seconds[c] = nbytes[c] + b, seconds[c] + t
+                held.add(d)
+        return nbytes, seconds
+
+
 def _shared(layers: Sequence[LayerCost], field: int) -> np.ndarray:
     """X[a, b]: the shared tensors' costs (`LayerCost.shared`, field 1 state bytes, 2 per-step seconds)
     that a stage of units a..b adds: each tensor once, where the stage reads it but starts after its
@@ -420,7 +458,7 @@ def partition(layers: Sequence[LayerCost], p: int, m: int, schedule: str, *, p2p
     mem = _stage_memory(layers, counts)
     budget = np.inf if memory_budget is None else float(memory_budget)
     weight = m * vv - 1   # gpipe/1f1b: m - 1; interleaved: (m - 1/v) * v
-    per_step, shared = _prefix(layers, "per_step"), _shared(layers, 2)
+    per_step, shared = _prefix(layers, "per_step"), _Shared.of(layers)
     parts = _parts(layers, schedule, p2p_time)
     best = None
     shares = _round_shares(vv) if np.isfinite(budget) else [(1.0,) * vv]
@@ -460,20 +498,22 @@ def priced_split(layers: Sequence[LayerCost], bounds: Sequence[int], p: int, m: 
     counts = memory_counts(schedule, p, m, vv)
     mem = _stage_memory(layers, counts)
     split = _split(stage_time_matrix(layers, p2p_time), np.stack([mem[c] for c in counts]), list(bounds), m,
-                   schedule, vv, _prefix(layers, "per_step"), _shared(layers, 2), _parts(layers, schedule, p2p_time))
+                   schedule, vv, _prefix(layers, "per_step"), _Shared.of(layers), _parts(layers, schedule, p2p_time))
     return dataclasses.replace(split, step_time=split.step_time + overhead) if overhead else split
 
 
 def chunk_memory(layers: Sequence[LayerCost], bounds: Sequence[int], schedule: str, p: int, m: int,
                  v: int = 1) -> list[float]:
     """Bytes of each chunk of the split cut at `bounds` as `partition` counts them (a device's memory is the sum
-    over its chunks): its state, shared copies included, plus its share of the device's in-flight activations
+    over its chunks): its state, a shared tensor's copy included where its device holds no other (`_Shared`), plus
+    its share of the device's in-flight activations
     and, under zero bubble, of its carried gradients (`memory_counts`)."""
     vv = chunks_per_device(schedule, v)
     counts = memory_counts(schedule, p, m, vv)
     mem = _stage_memory(layers, counts)
     ends = list(bounds[1:]) + [len(layers)]
-    return [float(mem[c][a, b - 1]) for c, a, b in zip(counts, bounds, ends)]
+    extra = _Shared.of(layers).excess(np.asarray(bounds), schedule, p, vv)[0]
+    return [float(mem[c][a, b - 1] - x) for c, a, b, x in zip(counts, bounds, ends, extra)]
 
 
 def _round_shares(v: int) -> list[tuple[float, ...]]:
@@ -584,7 +624,7 @@ def _parts(layers: Sequence[LayerCost], schedule: str, p2p_time: Callable[[float
     return (*(_segment(_prefix(layers, attr)) for attr in ("forward", "backward", "weight")), cut)
 
 
-def _split(T, cm, bounds, m, schedule, v, per_step: np.ndarray, shared: np.ndarray,
+def _split(T, cm, bounds, m, schedule, v, per_step: np.ndarray, shared: _Shared,
            parts=None, budget: float = np.inf, cutoff: float = np.inf) -> StageSplit | None:
     """The split cut at `bounds`, priced; `cm[k]` chunk k's memory matrix. With a `budget` or a `cutoff` (callers
     comparing splits): None for a split whose devices exceed the budget, or (zero bubble, before its order is
@@ -597,10 +637,11 @@ def _split(T, cm, bounds, m, schedule, v, per_step: np.ndarray, shared: np.ndarr
     if schedule in V_SHAPED:   # chunks p - 1 and p share a device: no transfer between them
         local = parts[3][e[p - 1]]
         times = times - np.r_[np.zeros(p - 1), local, local, np.zeros(p - 1)]
-    memory = _per_device(cm[np.arange(len(a)), a, e], schedule, p, v)   # a device's chunks: their sum
+    extra_bytes, extra_seconds = shared.excess(a, schedule, p, v)   # a shared tensor: one copy per device
+    memory = _per_device(cm[np.arange(len(a)), a, e] - extra_bytes, schedule, p, v)   # a device's chunks: their sum
     if memory.max() > budget:
         return None
-    once = _per_device(per_step[e + 1] - per_step[a] + shared[a, e], schedule, p, v)
+    once = _per_device(per_step[e + 1] - per_step[a] + shared.seconds[a, e] - extra_seconds, schedule, p, v)
     if schedule in ZERO_BUBBLES:   # the cut transfers (T's rest), half with the forward, half with B
         if m * float(_per_device(times, schedule, p, v).max()) + float(once.max()) >= cutoff:
             return None
