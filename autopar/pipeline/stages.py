@@ -505,9 +505,9 @@ def priced_split(layers: Sequence[LayerCost], bounds: Sequence[int], p: int, m: 
 def chunk_memory(layers: Sequence[LayerCost], bounds: Sequence[int], schedule: str, p: int, m: int,
                  v: int = 1) -> list[float]:
     """Bytes of each chunk of the split cut at `bounds` as `partition` counts them (a device's memory is the sum
-    over its chunks): its state, a shared tensor's copy included where its device holds no other (`_Shared`), plus
-    its share of the device's in-flight activations
-    and, under zero bubble, of its carried gradients (`memory_counts`)."""
+    over its chunks): its state, a shared tensor's copy included where its device holds no other (`_Shared`),
+    plus its share of the device's in-flight activations and, under zero bubble, of its carried gradients
+    (`memory_counts`)."""
     vv = chunks_per_device(schedule, v)
     counts = memory_counts(schedule, p, m, vv)
     mem = _stage_memory(layers, counts)
