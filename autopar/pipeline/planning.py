@@ -343,9 +343,9 @@ def widen(one_stage: Plan, mesh: Mesh, layers, split, m: int, schedule: str, bud
     bounds = list(split.bounds) + [len(layers)]
     memory = (split.stage_memory if virtual_stages == 1 else
               chunk_memory(layers, bounds[:-1], schedule, p, m, virtual_stages))
+    device = [chunk_device(schedule, p, k) for k in range(chunks)]
     stages = tuple(StagePlan(index=k, modules=tuple(l.name for l in layers[bounds[k]:bounds[k + 1]]),
-                             ranks=tuple(range(chunk_device(schedule, p, k) * per_stage,
-                                               (chunk_device(schedule, p, k) + 1) * per_stage)),
+                             ranks=tuple(range(device[k] * per_stage, (device[k] + 1) * per_stage)),
                              predicted_time=float(split.stage_times[k]), memory=float(memory[k]))
                    for k in range(chunks))
     R = ("R",)
@@ -356,7 +356,7 @@ def widen(one_stage: Plan, mesh: Mesh, layers, split, m: int, schedule: str, bud
                            tuple(None if i is None else R + tuple(i) for i in v.ins), v.module, v.phase)
              for n, v in one_stage.nodes.items()}
     fullest = int(np.argmax(split.stage_memory))   # a device: its chunks (`stages.chunk_device`)
-    share = sum(l.state_bytes for k in range(chunks) if chunk_device(schedule, p, k) == fullest
+    share = sum(l.state_bytes for k in range(chunks) if device[k] == fullest
                 for l in layers[bounds[k]:bounds[k + 1]]) / max(
         sum(l.state_bytes for l in layers), 1.0)
     state = {k: v * share for k, v in one_stage.memory_breakdown.items() if k != "activations"}

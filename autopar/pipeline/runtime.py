@@ -152,8 +152,8 @@ class PipelinedModule(DataParallelInputs, nn.Module):
         object.__setattr__(self, "sub_mesh", sub_dm)
         self._pp_rank, self._num_ranks = coords[0], plan.mesh.shape[0]
         # chunks d, d + p, ... (in a V: d and 2p - 1 - d), and the rank of the last one, which runs the loss
-        self._chunks = [k for k in range(len(programs)) if chunk_device(plan.schedule, self._num_ranks, k) == self._pp_rank]
-        self._loss_rank = chunk_device(plan.schedule, self._num_ranks, len(programs) - 1)
+        self._chunks = [k for k in range(len(programs)) if self._rank_of(k) == self._pp_rank]
+        self._loss_rank = self._rank_of(len(programs) - 1)
         self._per_stage = device_mesh.size() // self._num_ranks
         self._m, self._device = plan.num_microbatches, torch.device(device)
         self._input_names = list(captured.input_names)
