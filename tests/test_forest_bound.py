@@ -1,7 +1,6 @@
-"""The spanning-forest lower bound (autopar/planning/forest_bound.py) and the LP bound of the layer quotient
-(autopar/planning/lp_bound.py) against brute force on small random cost graphs: exact on a tree, lower
-bounds with cycles, weighted terms included; the LP bound lies between the forest bound and the best
-tiled plan."""
+"""The spanning-forest lower bound (autopar/planning/forest_bound.py) against brute force on small random cost
+graphs: exact on a tree, lower bounds with cycles, weighted terms included; the bound of a budget-free tiled
+solve (the fast pipeline search's `Profiler.lp_bound`) lies between the forest bound and the best tiled plan."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,9 +8,8 @@ import pytest
 
 from autopar.planning.costgraph import CostEdge, CostGraph, CostNode
 from autopar.planning.forest_bound import forest_lower_bound
-from autopar.planning.lp_bound import lp_lower_bound
 from autopar.planning.simplify import quotient_layers
-from autopar.planning.solver import brute_force
+from autopar.planning.solver import brute_force, solve
 
 
 def _graph(rng, n: int, pairs) -> CostGraph:
@@ -51,11 +49,12 @@ def _weighted(cg: CostGraph, w_nodes, w_edges) -> CostGraph:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_lp_bound_lies_between_the_forest_bound_and_the_best_tiled_plan(seed):
+def test_the_tiled_solve_bound_lies_between_the_forest_bound_and_the_best_tiled_plan(seed):
     """Three identical layers of three nodes (a chain inside, a skip edge across, a boundary edge
-    between consecutive layers) under weighted terms: forest <= LP <= the best tiled plan (brute force
-    on the exact quotient). The best untiled plan is below the tiled one and, on these random layers,
-    often below the LP bound too: the LP bounds tiled plans only (the search prices those)."""
+    between consecutive layers) under weighted terms: forest <= the budget-free tiled solve's proven bound
+    <= the best tiled plan (brute force on the exact quotient). The best untiled plan is below the tiled
+    one and, on these random layers, often below that bound too: it bounds tiled plans only (the search
+    prices those)."""
     rng = np.random.default_rng(seed)
     k = [3, 2, 3]
     times = [rng.uniform(0, 2, n) for n in k]
@@ -67,35 +66,9 @@ def test_lp_bound_lies_between_the_forest_bound_and_the_best_tiled_plan(seed):
     cg = CostGraph(nodes, edges, None, 0.0, [[[0, 1, 2], [3, 4, 5], [6, 7, 8]]])
     w_nodes = [float(w) for w in rng.choice([0.25, 1.0, 3.0], len(nodes))]
     w_edges = [float(w) for w in rng.choice([0.25, 1.0, 3.0], len(edges))]
-    lp = lp_lower_bound(cg, w_nodes, w_edges)
-    tiled = brute_force(quotient_layers(_weighted(cg, w_nodes, w_edges))[0]).time
-    untiled = brute_force(_weighted(cg, w_nodes, w_edges)).time
-    assert forest_lower_bound(cg, w_nodes, w_edges) <= lp * (1 + 1e-6) + 1e-9
-    assert lp <= tiled + 1e-9 and untiled <= tiled + 1e-9
-    # on a tree (no layers) the LP is exact, as the forest bound is
-    tree = _graph(rng, 6, [(i, int(rng.integers(0, i))) for i in range(1, 6)])
-    ones = [1.0] * 6, [1.0] * 5
-    assert lp_lower_bound(tree, *ones) == pytest.approx(brute_force(tree).time, rel=1e-6)
-
-
-def _grid(rng, rows: int, cols: int, k: int) -> CostGraph:
-    """A rows x cols grid of nodes with k strategies each (edges right and down): cycles everywhere,
-    an LP of a few hundred columns that the eliminations do not solve away."""
-    n = rows * cols
-    nodes = [CostNode(f"n{i}", rng.uniform(0, 1, k), np.zeros(k)) for i in range(n)]
-    pairs = [(i, i + 1) for i in range(n) if (i + 1) % cols] + [(i, i + cols) for i in range(n - cols)]
-    return CostGraph(nodes, [CostEdge(a, b, rng.uniform(0, 2, (k, k))) for a, b in pairs])
-
-
-def test_lp_bound_stops_once_it_proves_a_bound_above_the_threshold():
-    """`stop_above`: below the optimum, the LP may stop early with any bound above the threshold (and never
-    above the optimum); above it, the answer is the optimum itself."""
-    cg = _grid(np.random.default_rng(0), 6, 6, 5)
-    ones = [1.0] * len(cg.nodes), [1.0] * len(cg.edges)
-    opt = lp_lower_bound(cg, *ones)
-    assert opt > 0
-    early = lp_lower_bound(cg, *ones, stop_above=0.5 * opt)
-    assert 0.5 * opt < early < opt * (1 - 1e-6)   # stopped before the optimum: the dual's bound then
-    for frac in (0.9, 0.99):
-        assert frac * opt < lp_lower_bound(cg, *ones, stop_above=frac * opt) <= opt * (1 + 1e-9)
-    assert lp_lower_bound(cg, *ones, stop_above=1.5 * opt) == pytest.approx(opt, rel=1e-9)
+    weighted = _weighted(cg, w_nodes, w_edges)
+    bound = solve(weighted, dedup_layers=True).lower_bound
+    tiled = brute_force(quotient_layers(weighted)[0]).time
+    untiled = brute_force(weighted).time
+    assert forest_lower_bound(cg, w_nodes, w_edges) <= bound * (1 + 1e-6) + 1e-9
+    assert bound <= tiled + 1e-9 and untiled <= tiled + 1e-9

@@ -24,7 +24,7 @@ from autopar.pipeline.search import (
     state_floor,
     to_plan,
 )
-from autopar.pipeline.stages import partition
+from autopar.pipeline.stages import partition, step_weight
 from autopar.planning import assemble
 from autopar.planning.problem import ProblemBuilder
 from autopar.planning.solver import solve
@@ -243,6 +243,9 @@ def test_pruned_search_finds_the_exhaustive_best_and_runners_up():
             f = step_lower_bound(1.0, 0.0, c.pp, c.num_microbatches, c.schedule, INTERLEAVE)
             lp = f * prof.lp_bound(c.num_microbatches, c.dp, c.tp, None, 1 / (c.pp * f))
             assert forest <= lp * (1 + 1e-6) and lp <= c.step_time * (1 + 1e-9)
+            # the ratio the search bounds with (every schedule's: the 1F1B step weight) bounds it too
+            searched = f * prof.lp_bound(c.num_microbatches, c.dp, c.tp, None, step_weight(c.pp, c.num_microbatches))
+            assert searched <= lp * (1 + 1e-9)
             two_d.append((forest, lp, c.step_time))
     assert two_d and any(lp > forest * 1.01 for forest, lp, _ in two_d)   # the LP adds communication
 
@@ -505,7 +508,7 @@ def _llama_under_12mb(devices: int):
 
 
 def test_the_lp_bound_of_a_recompute_only_candidate_adds_its_least_rerun():
-    """The fast search bounds a 2-D group's candidates by the LP relaxation of its layer quotient
+    """The fast search bounds a 2-D group's candidates by its budget-free tiled solve's proven bound
     (`Profiler.lp_bound`, over tiled plans); a candidate only recompute can fit runs a tiled plan's seconds
     plus the re-run of the layers it recomputes, at least `Profiler.rerun_seconds_bound` of its excess, so
     `candidates.branch_and_bound` adds that to the LP. The sum stays below every such candidate's priced step

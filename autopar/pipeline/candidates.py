@@ -47,13 +47,13 @@ its first bound adds the least re-run seconds that free the excess (`search.Prof
 the activation floors of the layers that can recompute as a fractional knapsack: a candidate may recompute
 fewer layers than all): on Llama-3.1-405B x 2,048, where every candidate needs recompute, the bounds
 without any re-run ignored a third of the work and pruned almost nothing. The fast search uses instead, on
-2-D sub-meshes, where the SPMD solve is a MIP, the LP relaxation of the group's layer quotient
-(`autopar.planning.lp_bound`, one LP per group, weighted for the least per-step ratio 1 / (f * pp) of
-its live candidates), a bound over tiled plans, to which a recompute-only candidate adds its least
-re-run. The forest bound leaves out most communication: on Llama-3-70B x 64 H100s (bf16) it stayed at
-0.5-0.9 of the LP bound, so it pruned none of the seven 2-D groups whose budget-free MIPs took 22-58 CPU s
-each; the LP bound (now 1.5-2.1 CPU s each) was 1.13-2.2x the best step there, except one (1.0x) that is
-priced.
+2-D sub-meshes, where the SPMD solve is a MIP, the proven bound of the group's budget-free tiled solve
+(`search.Profiler.lp_bound`: its root LP, the relaxation of the layer quotient, is integral as a rule),
+weighted by the group's step weight (`stages.step_weight`: within 1 / (f * pp) of every schedule), a bound
+over tiled plans, to which a recompute-only candidate adds its least re-run; a group that is priced starts
+from that very solve. The forest bound leaves out most communication: on Llama-3-70B x 64 H100s (bf16) it
+stayed at 0.5-0.9 of the LP bound, so it pruned none of the seven 2-D groups whose budget-free MIPs took
+22-58 CPU s each; the LP bound was 1.13-2.2x the best step there, except one (1.0x) that is priced.
 """
 from __future__ import annotations
 
@@ -89,7 +89,6 @@ if TYPE_CHECKING:
 
 SKIPPED = "not priced under memory rows"   # a fast search's candidate (`price`'s cutoff)
 SKIP_MARGIN = 1.05   # ... when its budget-free plan splits at least this times slower than the cutoff
-STOP_MARGIN = 1e-6   # a group's LP bound may stop this fraction above what prunes every live candidate
 INNER_TIGHTENING = (1.0, 0.5)   # inner SPMD memory rows tried, as fractions of pp * budget
 FLOOR_SLACK = 1.05        # a weighted row no SPMD plan meets is retried at this times the least one
 ROUNDS = (ZERO_BUBBLE, INTERLEAVED_ZERO_BUBBLE)   # torch's ZB1P: rounds of equal size
@@ -134,8 +133,8 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
     group's CostProblem (`Profiler.forest_bound`, which adds the communication a forest must pay).
     `incumbent`: the step time of a plan found outside `jobs` (the default search's SPMD plan): no
     candidate whose bound exceeds it is priced.
-    `fast` (the default search's "fast" mode): on 2-D sub-meshes the LP relaxation of the group's layer
-    quotient instead of the forest (`Profiler.lp_bound`: over tiled plans, which the budget-free solve
+    `fast` (the default search's "fast" mode): on 2-D sub-meshes the bound of the group's budget-free tiled
+    solve instead of the forest (`Profiler.lp_bound`: over tiled plans, which the budget-free solve
     returns; a memory row's full-graph fallback may not be tiled; on Llama-3-70B x 64 the forests, ~20
     CPU s, skipped no candidate the LP kept), plus, for a candidate only recompute can fit, the least
     re-run seconds its first bound charges (its plan's per-micro-batch seconds are a tiled plan's and the
@@ -189,7 +188,6 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
         priced_here = False
         # the forest and LP bounds need the group's CostProblem: worth building first only where the solve
         # is the costly 2-D one (auto on a dp x tp sub-mesh); 1-D and forced-recipe groups solve by the DP
-        ratio = stop = None   # the LP bound's per-step weight, one per group (the least its live candidates need)
         for bound, pp, dp, tp, m, s in group:
             if bound > cutoff:
                 continue
@@ -197,15 +195,8 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
             if costly and not fast and cutoff < float("inf") and prof.forest_bound(m, dp, tp, strategy, pp, s) > cutoff:
                 continue
             if costly and fast and cutoff < float("inf"):   # the LP bound in place of the forest
-                if ratio is None:   # later candidates are live under a lower cutoff: the least ratio still holds
-                    live = [(p, d, t, mm, x) for b, p, d, t, mm, x in group if b <= cutoff]
-                    ratio = min(_per_step(p, mm, x) / _per_microbatch(p, mm, x) for p, _, _, mm, x in live)
-                    # a bound above this prunes every live candidate (and the cutoff only falls): the LP may stop there
-                    stop = max(cutoff / _per_microbatch(p, mm, x) - rerun_of.get((p, d, t, mm, x), 0.0)
-                               for p, d, t, mm, x in live)
-                    stop += STOP_MARGIN * abs(stop)
                 # a recompute-only candidate's plan runs a tiled plan's seconds and its re-run on top
-                lp = prof.lp_bound(m, dp, tp, strategy, ratio, stop) + rerun_of.get((pp, dp, tp, m, s), 0.0)
+                lp = prof.lp_bound(m, dp, tp, strategy, step_weight(pp, m)) + rerun_of.get((pp, dp, tp, m, s), 0.0)
                 if _per_microbatch(pp, m, s) * lp > cutoff:
                     lp_pruned += 1
                     continue
@@ -257,10 +248,6 @@ def _inverse_in_flight(pp: int, m: int, schedule: str) -> float | None:
 def _per_microbatch(pp: int, m: int, schedule: str) -> float:
     """f of `stages.step_lower_bound`: the step's weight on the per-micro-batch seconds."""
     return step_lower_bound(1.0, 0.0, pp, m, schedule, INTERLEAVE)
-
-
-def _per_step(pp: int, m: int, schedule: str) -> float:
-    return step_lower_bound(0.0, 1.0, pp, m, schedule, INTERLEAVE)
 
 
 def price(prof: Profiler, pp: int, dp: int, tp: int, m: int, schedules, budget, strategy=None,

@@ -419,27 +419,57 @@ def _shared(layers: Sequence[LayerCost], field: int) -> np.ndarray:
 def _least_sum(T: np.ndarray, masks: list[np.ndarray], bound: float) -> tuple[float, list[int]] | None:
     """min sum_k T[a_k, b_k] over contiguous splits into len(masks) stages with T <= bound and each
     stage's memory mask; returns (sum, bounds) or None if no split qualifies."""
-    n, p = T.shape[0], len(masks)
-    best = np.full(n + 1, np.inf)   # best[b + 1]: least sum covering units 0..b with k+1 stages
-    best[0] = 0.0
-    choice = []
-    within = T <= bound
-    cols = np.arange(n)
-    for k in range(p):
-        cand = best[:n, None] + T   # cand[a, b]: previous stages end at a-1
-        cand[~(masks[k] & within)] = np.inf
-        arg = cand.argmin(axis=0)
-        best[1:] = cand[arg, cols]
-        best[0] = np.inf
-        choice.append(arg)
-    if not np.isfinite(best[n]):
-        return None
-    bounds, end = [], n - 1
-    for k in range(p - 1, -1, -1):
-        a = int(choice[k][end])
-        bounds.append(a)
-        end = a - 1
-    return float(best[n]), bounds[::-1]
+    return _Band(T, masks).least_sum(bound)
+
+
+class _Band:
+    """`_least_sum` for one T and its stage masks under any bound, on the band of stages allowed: a stage of
+    units a..b only for a within w of b (the longest stage any mask allows under the bound), so each stage's DP
+    step is n * w, not n * n (a pipeline of many chunks on few units each: Llama-3.1-405B's 16-64 chunks on
+    128 units, w 10-35). The same sums and the same first least a per b as over the whole matrix: the same
+    split. Built once per T and masks (the widest band, no bound), each bound's band a slice of it."""
+
+    def __init__(self, T: np.ndarray, masks: list[np.ndarray]):
+        n = T.shape[0]
+        self.cols = cols = np.arange(n)
+        union = np.logical_or.reduce(masks) & np.isfinite(T)
+        lo = union.argmax(axis=0)             # per unit b, the first a some stage a..b may start at
+        has = union[lo, cols]
+        w = int((cols - lo)[has].max()) + 1 if has.any() else 1
+        rows = cols[None, :] - (w - 1) + np.arange(w)[:, None]   # band row r of column b: a = b - w + 1 + r
+        valid = rows >= 0
+        self.rows = np.where(valid, rows, 0)
+        self.T = np.where(valid, T[self.rows, cols], np.inf)
+        self.masks = [valid & mk[self.rows, cols] for mk in masks]
+        self.union = np.logical_or.reduce(self.masks)
+
+    def least_sum(self, bound: float) -> tuple[float, list[int]] | None:
+        cols, n = self.cols, len(self.cols)
+        ok = self.union & (self.T <= bound)
+        first = ok.argmax(axis=0)   # the band's rows run a ascending: the bound's band is its last rows
+        has = ok[first, cols]
+        if not has.any():
+            return None
+        top = int(first[has].min())
+        rows, T, within = self.rows[top:], self.T[top:], ok[top:]
+        best = np.full(n + 1, np.inf)   # best[b + 1]: least sum covering units 0..b with k+1 stages
+        best[0] = 0.0
+        choice = []
+        for mask in self.masks:
+            cand = best[rows] + T   # cand[r, b]: previous stages end at a - 1, a = rows[r, b]
+            cand[~(mask[top:] & within)] = np.inf
+            arg = cand.argmin(axis=0)
+            best[1:] = cand[arg, cols]
+            best[0] = np.inf
+            choice.append(rows[arg, cols])
+        if not np.isfinite(best[n]):
+            return None
+        bounds, end = [], n - 1
+        for k in range(len(self.masks) - 1, -1, -1):
+            a = int(choice[k][end])
+            bounds.append(a)
+            end = a - 1
+        return float(best[n]), bounds[::-1]
 
 
 def partition(layers: Sequence[LayerCost], p: int, m: int, schedule: str, *, p2p_time: Callable[[float], float],
@@ -465,20 +495,19 @@ def partition(layers: Sequence[LayerCost], p: int, m: int, schedule: str, *, p2p
     if vv > 1 and np.isfinite(budget):
         shares = [None] + shares   # first the budget-free split: kept if its devices fit
     cm = np.stack([mem[c] for c in counts])   # chunk k's memory matrix
+    splits = _Splits(T, cm, m, schedule, vv, per_step, shared, parts)
     for share in shares:
         # chunk k (device k % p, round k // p) within share[k // p] of the budget: the device's sum fits
         masks = [mem[c] <= (np.inf if share is None else budget * share[k // p]) for k, c in enumerate(counts)]
-        found = _scan(T, masks, cm, m, schedule, vv, per_step, shared, weight, parts)
+        found = _scan(T, masks, splits, m, schedule, vv, weight)
         if found is not None and vv > 1:
-            start, found = found, _improve(found, T, cm, m, schedule, vv, per_step, shared,
-                                           np.inf if share is None else budget, parts)
+            start, found = found, _improve(found, T, splits, np.inf if share is None else budget)
             if share is None:
                 if max(found.stage_memory) <= budget:
                     best = found   # the budget-free split fits: kept, the shares' scans skipped
                     break
                 # else improve its scan's start under the budget, where that fits
-                found = None if max(start.stage_memory) > budget else _improve(
-                    start, T, cm, m, schedule, vv, per_step, shared, budget, parts)
+                found = None if max(start.stage_memory) > budget else _improve(start, T, splits, budget)
         best = found if best is None or (found is not None and found.step_time < best.step_time) else best
     if best is None:
         need = vv * _min_memory(mem, counts, T)
@@ -530,7 +559,7 @@ def _round_shares(v: int) -> list[tuple[float, ...]]:
     return [(1 / v,) * v] + [(a, *[(1 - a) / (v - 1)] * (v - 1)) for a in ROUND_SHARES]
 
 
-def _improve(split: StageSplit, T, cm, m, schedule, v, per_step, shared, budget, parts=None) -> StageSplit:
+def _improve(split: StageSplit, T, splits: _Splits, budget) -> StageSplit:
     """Move one chunk boundary by one unit while that lowers the step (the schedule's own formula) and
     every device stays within budget (its chunks' sum, exactly). The DP's least-sum split per
     bottleneck ignores which chunks share a device; this pairs them better (Llama-3-70B, pp 8, m 32,
@@ -549,7 +578,7 @@ def _improve(split: StageSplit, T, cm, m, schedule, v, per_step, shared, budget,
                 if not all(np.isfinite(T[a, b - 1]) for a, b in zip(moved, ends)):
                     continue
                 goal = split.step_time * (1 - 1e-12)
-                trial = _split(T, cm, moved, m, schedule, v, per_step, shared, parts, budget, goal)
+                trial = splits(moved, budget, goal)
                 if trial is not None and trial.step_time < goal:
                     split, improved = trial, True
                     break
@@ -558,35 +587,36 @@ def _improve(split: StageSplit, T, cm, m, schedule, v, per_step, shared, budget,
     return split
 
 
-def _scan(T, masks, cm, m, schedule, v, per_step, shared, weight, parts=None) -> StageSplit | None:
+def _scan(T, masks, splits: _Splits, m, schedule, v, weight) -> StageSplit | None:
     """The fastest split under `masks` among the least-sum splits of every bottleneck (chunk time)
-    B in ascending order, priced by the schedule's own formula (`_split`); None if none fits."""
-    free = _least_sum(T, masks, np.inf)
+    B in ascending order, priced by the schedule's own formula (`_Splits`); None if none fits. Only the times
+    of chunks some mask allows are bottlenecks: between two of them no chunk's mask changes, nor any split."""
+    band = _Band(T, masks)
+    free = band.least_sum(np.inf)
     if free is None:
         return None
-    values = np.unique(T[np.isfinite(T)])
+    values = np.unique(T[np.isfinite(T) & np.logical_or.reduce(masks)])
     best = None
-    for bound in values[_first_feasible(T, masks, values):]:
+    for bound in values[_first_feasible(band, values):]:
         # every split whose largest chunk is >= bound steps >= (least sum + weight * bound) / v: its
         # sum is >= the least, and the device holding that chunk is busy >= bound per micro-batch
         # (zero bubble: >= m * bound, that stage's own work)
         least = m * bound if schedule in ZERO_BUBBLES else (free[0] + weight * bound) / v
         if best is not None and least >= best.step_time:
             break
-        found = _least_sum(T, masks, bound)
+        found = band.least_sum(bound)
         if found is not None:
-            split = _split(T, cm, found[1], m, schedule, v, per_step, shared, parts,
-                           cutoff=np.inf if best is None else best.step_time)
+            split = splits(found[1], cutoff=np.inf if best is None else best.step_time)
             best = split if split is not None and (best is None or split.step_time < best.step_time) else best
     return best
 
 
-def _first_feasible(T: np.ndarray, masks: list[np.ndarray], values: np.ndarray) -> int:
+def _first_feasible(band: _Band, values: np.ndarray) -> int:
     """Index of the least bottleneck in `values` that admits a split (feasibility grows with it)."""
     lo, hi = 0, len(values) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if _least_sum(T, masks, values[mid]) is None:
+        if band.least_sum(values[mid]) is None:
             lo = mid + 1
         else:
             hi = mid
@@ -628,30 +658,68 @@ def _split(T, cm, bounds, m, schedule, v, per_step: np.ndarray, shared: _Shared,
            parts=None, budget: float = np.inf, cutoff: float = np.inf) -> StageSplit | None:
     """The split cut at `bounds`, priced; `cm[k]` chunk k's memory matrix. With a `budget` or a `cutoff` (callers
     comparing splits): None for a split whose devices exceed the budget, or (zero bubble, before its order is
-    walked) whose step cannot beat the cutoff: each device runs all of its chunks' work, m of each, one after
-    another, so the step is at least m * (the busiest device's chunk times) plus its per-step seconds."""
-    n, p = T.shape[0], len(bounds) // v
-    a = np.asarray(bounds)
-    e = np.r_[a[1:], n] - 1   # each chunk's last unit
-    times = T[a, e]
-    if schedule in V_SHAPED:   # chunks p - 1 and p share a device: no transfer between them
-        local = parts[3][e[p - 1]]
-        times = times - np.r_[np.zeros(p - 1), local, local, np.zeros(p - 1)]
-    extra_bytes, extra_seconds = shared.excess(a, schedule, p, v)   # a shared tensor: one copy per device
-    memory = _per_device(cm[np.arange(len(a)), a, e] - extra_bytes, schedule, p, v)   # a device's chunks: their sum
-    if memory.max() > budget:
-        return None
-    once = _per_device(per_step[e + 1] - per_step[a] + shared.seconds[a, e] - extra_seconds, schedule, p, v)
-    if schedule in ZERO_BUBBLES:   # the cut transfers (T's rest), half with the forward, half with B
-        if m * float(_per_device(times, schedule, p, v).max()) + float(once.max()) >= cutoff:
+    walked) whose step cannot beat the cutoff (`_Priced.floor`)."""
+    return _Priced(T, cm, bounds, m, schedule, v, per_step, shared, parts).split(budget, cutoff)
+
+
+class _Priced:
+    """One split cut at `bounds`: its devices' memory and its step's floor at once, its step (for zero bubble a
+    walk of torch's order, the costly part) when first asked. `floor`: each device runs all of its chunks' work,
+    m of each, one after another, so a zero-bubble step is at least m * (the busiest device's chunk times) plus
+    its per-step seconds (-inf for the other schedules, whose step is a formula)."""
+    __slots__ = ("args", "a", "times", "memory", "once", "memory_max", "floor", "found")
+
+    def __init__(self, T, cm, bounds, m, schedule, v, per_step: np.ndarray, shared: _Shared, parts=None):
+        n, p = T.shape[0], len(bounds) // v
+        a = np.asarray(bounds)
+        e = np.r_[a[1:], n] - 1   # each chunk's last unit
+        times = T[a, e]
+        if schedule in V_SHAPED:   # chunks p - 1 and p share a device: no transfer between them
+            local = parts[3][e[p - 1]]
+            times = times - np.r_[np.zeros(p - 1), local, local, np.zeros(p - 1)]
+        extra_bytes, extra_seconds = shared.excess(a, schedule, p, v)   # a shared tensor: one copy per device
+        memory = _per_device(cm[np.arange(len(a)), a, e] - extra_bytes, schedule, p, v)   # a device's chunks: their sum
+        once = _per_device(per_step[e + 1] - per_step[a] + shared.seconds[a, e] - extra_seconds, schedule, p, v)
+        self.args, self.a, self.times, self.memory, self.once = (T, m, schedule, v, parts), a, times, memory, once
+        self.memory_max = float(memory.max())
+        self.floor = (m * float(_per_device(times, schedule, p, v).max()) + float(once.max())
+                      if schedule in ZERO_BUBBLES else -np.inf)
+        self.found: StageSplit | None = None
+
+    def split(self, budget: float = np.inf, cutoff: float = np.inf) -> StageSplit | None:
+        """The priced split; None where its devices exceed `budget` or its floor is `cutoff` or more."""
+        if self.memory_max > budget or self.floor >= cutoff:
             return None
-        f, bwd, w = (x[a, e] for x in parts[:3])
-        cut = times - f - bwd
-        sim = zero_bubble_step(f + cut / 2, bwd - w + cut / 2, w, m, v, schedule in V_SHAPED)
-    step = (sim if schedule in ZERO_BUBBLES else _step(times, m, schedule, v)) + float(once.max())
-    busy = (m * times.sum() + once.sum()) / p
-    return StageSplit(tuple(a.tolist()), tuple(times.tolist()), tuple(memory.tolist()), step,
-                      float(max(0.0, 1.0 - busy / step)) if step > 0 else 0.0)
+        if self.found is None:
+            T, m, schedule, v, parts = self.args
+            a, times, once, p = self.a, self.times, self.once, len(self.a) // v
+            if schedule in ZERO_BUBBLES:   # the cut transfers (T's rest), half with the forward, half with B
+                e = np.r_[a[1:], T.shape[0]] - 1
+                f, bwd, w = (x[a, e] for x in parts[:3])
+                cut = times - f - bwd
+                step = zero_bubble_step(f + cut / 2, bwd - w + cut / 2, w, m, v, schedule in V_SHAPED)
+            else:
+                step = _step(times, m, schedule, v)
+            step += float(once.max())
+            busy = (m * times.sum() + once.sum()) / p
+            self.found = StageSplit(tuple(a.tolist()), tuple(times.tolist()), tuple(self.memory.tolist()), step,
+                                    float(max(0.0, 1.0 - busy / step)) if step > 0 else 0.0)
+        return self.found
+
+
+class _Splits:
+    """The splits one `partition` call compares, each priced once (`_Priced`): its scans and its boundary moves
+    meet the same splits again and again (Llama-3-70B x 64, bf16: half of 27k prices were repeats)."""
+
+    def __init__(self, T, cm, m, schedule, v, per_step: np.ndarray, shared: _Shared, parts=None):
+        self.T, self.args, self.seen = T, (cm, m, schedule, v, per_step, shared, parts), {}
+
+    def __call__(self, bounds, budget: float = np.inf, cutoff: float = np.inf) -> StageSplit | None:
+        key = tuple(bounds)
+        priced = self.seen.get(key)
+        if priced is None:
+            priced = self.seen[key] = _Priced(self.T, self.args[0], bounds, *self.args[1:])
+        return priced.split(budget, cutoff)
 
 
 def mesh_factorizations(world: int, devices_per_node: int | None) -> list[tuple[int, int, int]]:

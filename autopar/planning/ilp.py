@@ -4,7 +4,7 @@ backends (CP-SAT, SCIP, CBC) and, from numpy arrays, for HiGHS through highspy.
 One function per constraint family, each restating its formula; every constraint is named, so an
 infeasible model says which family failed. `build_model` assembles them, `run_model` solves.
 HiGHS's model is built from arrays instead (`_arrays`: the same rows): its LP relaxation, which HiGHS
-solves first and which answers most solves (`integral_relaxation`, `relaxation_bound`), and its MIP
+solves first and which answers most solves (`integral_relaxation`), and its MIP
 (`highs_mip`).
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ _CPSAT_PARAMS = {
 
 
 _INTEGRAL = 1e-9   # an LP value this close to 0 or 1 is integral
-_TIGHT = {"primal_feasibility_tolerance": 1e-9, "dual_feasibility_tolerance": 1e-9}   # `relaxation_bound`
+_TIGHT = {"primal_feasibility_tolerance": 1e-9, "dual_feasibility_tolerance": 1e-9}   # `_cost_scale`
 DIVE_STEPS = 20    # LPs `integral_relaxation`'s dive solves at most (Llama's layer quotients: 1-14)...
 DIVE_SHARE = 0.25  # ... in at most this share of the time left to the solve's deadline
 
@@ -180,7 +180,7 @@ def run_model(m: _Model, p: SolverProblem, backend: str, seconds: float, hint: d
 
 def integral_relaxation(p: SolverProblem, gap: float, deadline: float = math.inf
                         ) -> tuple[dict[int, int], str, float] | None:
-    """Solve the LP relaxation (x continuous, scaled as `relaxation_bound` scales it); when its optimum is
+    """Solve the LP relaxation (x continuous, costs scaled by `_cost_scale`); when its optimum is
     integral it is the ILP's optimum (the LP's value bounds every integer plan from below, and this plan
     attains it), found without HiGHS's MIP machinery: presolve, root cuts and heuristics cost 2-15x the
     LP on these models even when the LP is already integral, as it is without a memory row (the marginal
@@ -308,23 +308,17 @@ def _arrays(p: SolverProblem, cost_scale: float = 1.0, budget: bool = True) -> _
 
 
 def solve_lp(p: SolverProblem, cost_scale: float = 1.0, tight: bool = False, budget: bool = True,
-             presolve: bool = True, stop_above: float | None = None) -> tuple[float, dict[int, dict[int, float]]] | None:
+             presolve: bool = True) -> tuple[float, dict[int, dict[int, float]]] | None:
     """The LP relaxation of `build_model`'s model (every x and e in [0, 1]; p's memory row unless
     `budget=False`), built from arrays (`_arrays`) and solved by HiGHS (`_highs_lp`): (objective
     without p.time_offset, {i: {s: x[i,s]}}), or None when HiGHS proves no optimum. pywraplp builds the
     same model one coefficient at a time: 1.3 CPU s a model on Llama-3.1-405B's 2-D sub-meshes (~20% of
     its search), this a few hundredths. `cost_scale` multiplies every cost (the objective is returned
-    unscaled); `tight`: feasibility tolerances 1e-9; `presolve`: HiGHS's (`_solve_lp_scaled` skips it: see there).
-    `stop_above` (objective without p.time_offset, unscaled): the dual simplex stops as soon as its dual
-    objective, a lower bound of the optimum at every iteration, exceeds it (HiGHS's `objective_bound`, checked
-    against the unperturbed costs); the objective returned is then that bound, not the optimum, and the
-    values are not a solution."""
+    unscaled); `tight`: feasibility tolerances 1e-9; `presolve`: HiGHS's (`_solve_lp_scaled` skips it: see there)."""
     arrays = _arrays(p, cost_scale, budget)
     if arrays is None:
         return None
     options = {"presolve": "on" if presolve else "off", **(_TIGHT if tight else {})}
-    if stop_above is not None:
-        options.update(simplex_strategy=1, objective_bound=stop_above * cost_scale)   # 1: the dual simplex
     solved = _highs_lp(arrays, options)
     if solved is None:
         return None
@@ -363,7 +357,7 @@ def _highs_lp(arrays: _Arrays, options: dict) -> tuple[float, np.ndarray] | None
     highs = _highs(arrays, options)
     if highs is None or highs.run() == highspy.HighsStatus.kError:
         return None
-    if highs.getModelStatus() not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kObjectiveBound):
+    if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
         return None
     return float(highs.getInfo().objective_function_value), np.asarray(highs.getSolution().col_value)
 
@@ -451,33 +445,19 @@ def _support_plan(p: SolverProblem, values: dict[int, dict[int, float]], gap: fl
     return choice if math.isfinite(p.evaluate(choice)[0]) else None
 
 
-def relaxation_bound(p: SolverProblem, stop_above: float | None = None) -> float:
-    """The optimum of p's LP relaxation without its memory row (x continuous, by HiGHS): no plan of p
-    costs less. -inf when HiGHS does not prove an optimum. `stop_above`: a value above it may be returned as
-    soon as the dual simplex proves one (a bound under the optimum, above `stop_above`: `solve_lp`).
-    HiGHS's optimality tolerances are absolute (1e-7 on reduced costs by default), and in seconds
-    they let a vertex above the optimum pass as optimal (a GPT block on 2 x 4 devices: 5e-5 over the
-    ILP's optimum, so the "bound" exceeded a plan). Costs are therefore scaled to a median coefficient
-    of 1 and solved to 1e-9: the same graph then gives the optimum to 1e-15."""
-    if not p.time:
-        return p.time_offset
-    stop = None if stop_above is None else stop_above - p.time_offset
-    solved = _solve_lp_scaled(p, budget=False, stop_above=stop)
-    if solved is None:
-        return -math.inf
-    return solved[0] + p.time_offset
-
-
-def _solve_lp_scaled(p: SolverProblem, budget: bool = True, stop_above: float | None = None):
-    """`solve_lp` with costs scaled to a median coefficient of 1 and tolerances 1e-9 (`relaxation_bound`),
+def _solve_lp_scaled(p: SolverProblem, budget: bool = True):
+    """`solve_lp` with costs scaled to a median coefficient of 1 and tolerances 1e-9 (`_cost_scale`),
     without HiGHS's presolve: p is `simplify`'s reduction already, and the presolve cost more than it
     saved (Llama-3-70B's 2-D layer quotients, 133k-228k columns: 0.27 / 0.49 CPU s without it against
     0.75 / 1.2 s with it, the same optimum to 1e-14)."""
-    return solve_lp(p, cost_scale=_cost_scale(p), tight=True, budget=budget, presolve=False, stop_above=stop_above)
+    return solve_lp(p, cost_scale=_cost_scale(p), tight=True, budget=budget, presolve=False)
 
 
 def _cost_scale(p: SolverProblem) -> float:
-    """The factor that brings p's median positive cost to 1 (HiGHS's tolerances are absolute)."""
+    """The factor that brings p's median positive cost to 1. HiGHS's optimality tolerances are absolute (1e-7 on
+    reduced costs by default), and in seconds they let a vertex above the optimum pass as optimal (a GPT block on
+    2 x 4 devices: 5e-5 over the ILP's optimum, so a "bound" exceeded a plan); scaled so and solved to 1e-9
+    (`_TIGHT`), the same graph gives the optimum to 1e-15."""
     costs = [c[np.isfinite(c)].ravel() for c in (*p.time.values(), *p.edges.values())]
     finite = np.concatenate(costs) if costs else np.zeros(0)
     positive = finite[finite > 0]

@@ -91,17 +91,40 @@ class StrategyEnumerator:
         per_axis = self._axis_strategies(call)
         in_shapes = [(tuple(int(x) for x in val_of(n).shape), val_of(n).dtype)
                      if isinstance(val_of(n), torch.Tensor) else (None, None) for n in call.inputs]
+        # a strategy whose own split on one axis does not fit fits in no combination (a dim cut on several
+        # axes must divide by each cut): the product runs over those that do, and a combination that cuts
+        # no tensor's dim on two axes fits as each of its axes does (`divides`, `_partial_ok`): only those
+        # that do are checked whole
+        usable = [[(a, self._cut_dims(a, call, in_shapes)) for a in per_axis
+                   if self._fits(*self._on_axis(a, i, call), in_shapes)] for i in range(len(self.axis_sizes))]
         result = []
-        for combo in itertools.product(per_axis, repeat=len(self.axis_sizes)):
+        for pairs in itertools.product(*usable):
+            combo = [a for a, _ in pairs]
             outs = tuple(None if call.outs[i] is None else tuple(a.outs[i] for a in combo)
                          for i in range(len(call.outs)))
             ins = tuple(tuple(a.ins[j] for a in combo) for j in range(call.num_inputs))
-            if self._fits(outs, call.outs, ins, in_shapes):
+            if (len(pairs) == 1 or not _cut_twice([dims for _, dims in pairs])
+                    or self._fits(outs, call.outs, ins, in_shapes)):
                 result.append(NodeStrategy(outs, ins))
         if not result:  # an exclusive rule whose splits do not divide: run replicated
             result.append(NodeStrategy(tuple(None if o is None else (R,) * len(self.axis_sizes) for o in call.outs),
                                        ((R,) * len(self.axis_sizes),) * call.num_inputs))
         return result
+
+    @staticmethod
+    def _cut_dims(a: AxisStrategy, call: OpCall, in_shapes) -> tuple[int, ...]:
+        """Per tensor `_fits` checks (outputs, then inputs with a shape), the dim `a` shards; -1 for none."""
+        specs = [p for p, o in zip(a.outs, call.outs) if o is not None] + \
+            [p for p, (shape, _) in zip(a.ins, in_shapes) if shape is not None]
+        return tuple(p.dim if kind(p) == "S" else -1 for p in specs)
+
+    def _on_axis(self, a: AxisStrategy, i: int, call: OpCall) -> tuple:
+        """`_fits`'s first three arguments for the strategy that places every tensor as `a` on axis i and
+        replicates it on the others."""
+        def alone(p):
+            return tuple(p if j == i else R for j in range(len(self.axis_sizes)))
+        outs = tuple(None if o is None else alone(a.outs[k]) for k, o in enumerate(call.outs))
+        return outs, call.outs, tuple(alone(p) for p in a.ins)
 
     def _fits(self, outs, out_infos, ins, in_shapes) -> bool:
         for spec, info in zip(outs, out_infos):
@@ -119,6 +142,15 @@ class StrategyEnumerator:
             if not _partial_ok(dtype, spec):
                 return False
         return True
+
+
+def _cut_twice(dims: list[tuple[int, ...]]) -> bool:
+    """Whether two axes' strategies (`_cut_dims` each) shard one tensor's same dim."""
+    for per_tensor in zip(*dims):
+        cut = [d for d in per_tensor if d >= 0]
+        if len(cut) != len(set(cut)):
+            return True
+    return False
 
 
 def _partial_ok(dtype: torch.dtype, spec) -> bool:
