@@ -392,3 +392,40 @@ def test_zero_bubble_v_partition_places_chunks_in_a_v():
                   for c, (a, w) in zip(chunks, counts)]
         assert got.stage_memory == pytest.approx([sum(mem for k, mem in enumerate(memory) if device[k] == d)
                                                   for d in range(p)])
+
+
+def test_the_banded_least_sum_equals_every_split_enumerated():
+    """`stages._least_sum` (its DP on the band of stages the bound and masks allow, `_Band`): the least sum of
+    stage times over contiguous splits whose every stage is within the bound and its own mask, against all
+    splits enumerated, with ties (equal units) and masks that rule out long stages or some stages' places."""
+    import numpy as np
+
+    from autopar.pipeline.stages import _least_sum, _segment
+
+    rng = np.random.default_rng(5)
+    for trial in range(60):
+        n, p = int(rng.integers(2, 9)), int(rng.integers(1, 5))
+        if p > n:
+            continue
+        units = rng.choice([1.0, 2.0, 3.0], n) if trial % 2 else rng.uniform(0.5, 2.0, n)   # ties on odd trials
+        T = _segment(np.r_[0.0, np.cumsum(units)])
+        longest = int(rng.integers(1, n + 1))
+        masks = [np.triu(np.ones((n, n), bool)) & (np.subtract.outer(np.arange(n), np.arange(n)) > -longest)
+                 & (rng.uniform(size=(n, n)) > 0.15) for _ in range(p)]
+        bound = float(rng.choice([np.inf, float(np.median(T[np.isfinite(T)]))]))
+        best = None
+        for cuts in itertools.combinations(range(1, n), p - 1):
+            starts, ends = (0, *cuts), (*cuts, n)
+            if all(masks[k][a, b - 1] and T[a, b - 1] <= bound for k, (a, b) in enumerate(zip(starts, ends))):
+                total = sum(T[a, b - 1] for a, b in zip(starts, ends))
+                best = total if best is None else min(best, total)
+        got = _least_sum(T, masks, bound)
+        if best is None:
+            assert got is None
+            continue
+        total, bounds = got
+        assert total == pytest.approx(best)
+        ends = bounds[1:] + [n]
+        assert bounds[0] == 0 and all(a < b for a, b in zip(bounds, ends))
+        assert all(masks[k][a, b - 1] and T[a, b - 1] <= bound for k, (a, b) in enumerate(zip(bounds, ends)))
+        assert sum(T[a, b - 1] for a, b in zip(bounds, ends)) == pytest.approx(total)
