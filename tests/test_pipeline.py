@@ -382,7 +382,7 @@ def test_zero_bubble_matches_single_process(name):
     _compare(results, case, batches, kws, 2)
     for rank in range(2):
         for i, kw in enumerate(kws):
-            m = kw["num_microbatches"] * (2 if kw["schedule"] in INTERLEAVED else chunks_per_device(kw["schedule"]))  # per chunk
+            m = kw["num_microbatches"] * chunks_per_device(kw["schedule"])   # per chunk
             assert results[rank][i]["runs"] == {"forward": m, "backward_input": m, "backward_weight": m}, (rank, kw)
 
 

@@ -432,7 +432,8 @@ class _Band:
     def __init__(self, T: np.ndarray, masks: list[np.ndarray]):
         n = T.shape[0]
         self.cols = cols = np.arange(n)
-        union = np.logical_or.reduce(masks) & np.isfinite(T)
+        # the units a..b some stage may hold (the bottlenecks `_scan` tries are their times)
+        self.allowed = union = np.logical_or.reduce(masks) & np.isfinite(T)
         lo = union.argmax(axis=0)             # per unit b, the first a some stage a..b may start at
         has = union[lo, cols]
         w = int((cols - lo)[has].max()) + 1 if has.any() else 1
@@ -526,8 +527,8 @@ def priced_split(layers: Sequence[LayerCost], bounds: Sequence[int], p: int, m: 
     _check_schedule(schedule, p, m, vv)
     counts = memory_counts(schedule, p, m, vv)
     mem = _stage_memory(layers, counts)
-    split = _split(stage_time_matrix(layers, p2p_time), np.stack([mem[c] for c in counts]), list(bounds), m,
-                   schedule, vv, _prefix(layers, "per_step"), _Shared.of(layers), _parts(layers, schedule, p2p_time))
+    split = _Priced(list(bounds), stage_time_matrix(layers, p2p_time), np.stack([mem[c] for c in counts]), m, schedule,
+                    vv, _prefix(layers, "per_step"), _Shared.of(layers), _parts(layers, schedule, p2p_time)).split()
     return dataclasses.replace(split, step_time=split.step_time + overhead) if overhead else split
 
 
@@ -595,7 +596,7 @@ def _scan(T, masks, splits: _Splits, m, schedule, v, weight) -> StageSplit | Non
     free = band.least_sum(np.inf)
     if free is None:
         return None
-    values = np.unique(T[np.isfinite(T) & np.logical_or.reduce(masks)])
+    values = np.unique(T[band.allowed])
     best = None
     for bound in values[_first_feasible(band, values):]:
         # every split whose largest chunk is >= bound steps >= (least sum + weight * bound) / v: its
@@ -647,29 +648,22 @@ def _min_memory(mem: dict, counts: list[tuple], T: np.ndarray) -> float:
 def _parts(layers: Sequence[LayerCost], schedule: str, p2p_time: Callable[[float], float]):
     """(forward, backward, weight) segment matrices, which zero bubble's step needs apart, and each cut's
     transfer seconds (`stage_time_matrix`'s c(l): in a V the cut between chunks p - 1 and p stays on one
-    device, which `_split` takes off); None for the other schedules."""
+    device, which `_Priced` takes off); None for the other schedules."""
     if schedule not in ZERO_BUBBLES:
         return None
     cut = np.array([p2p_time(x.boundary_bytes) for x in layers[:-1]] + [0.0])
     return (*(_segment(_prefix(layers, attr)) for attr in ("forward", "backward", "weight")), cut)
 
 
-def _split(T, cm, bounds, m, schedule, v, per_step: np.ndarray, shared: _Shared,
-           parts=None, budget: float = np.inf, cutoff: float = np.inf) -> StageSplit | None:
-    """The split cut at `bounds`, priced; `cm[k]` chunk k's memory matrix. With a `budget` or a `cutoff` (callers
-    comparing splits): None for a split whose devices exceed the budget, or (zero bubble, before its order is
-    walked) whose step cannot beat the cutoff (`_Priced.floor`)."""
-    return _Priced(T, cm, bounds, m, schedule, v, per_step, shared, parts).split(budget, cutoff)
-
-
 class _Priced:
     """One split cut at `bounds`: its devices' memory and its step's floor at once, its step (for zero bubble a
     walk of torch's order, the costly part) when first asked. `floor`: each device runs all of its chunks' work,
     m of each, one after another, so a zero-bubble step is at least m * (the busiest device's chunk times) plus
-    its per-step seconds (-inf for the other schedules, whose step is a formula)."""
-    __slots__ = ("args", "a", "times", "memory", "once", "memory_max", "floor", "found")
+    its per-step seconds (-inf for the other schedules, whose step is a formula). `cm[k]`: chunk k's memory
+    matrix."""
+    __slots__ = ("args", "a", "e", "times", "memory", "once", "memory_max", "floor", "found")
 
-    def __init__(self, T, cm, bounds, m, schedule, v, per_step: np.ndarray, shared: _Shared, parts=None):
+    def __init__(self, bounds, T, cm, m, schedule, v, per_step: np.ndarray, shared: _Shared, parts=None):
         n, p = T.shape[0], len(bounds) // v
         a = np.asarray(bounds)
         e = np.r_[a[1:], n] - 1   # each chunk's last unit
@@ -680,7 +674,7 @@ class _Priced:
         extra_bytes, extra_seconds = shared.excess(a, schedule, p, v)   # a shared tensor: one copy per device
         memory = _per_device(cm[np.arange(len(a)), a, e] - extra_bytes, schedule, p, v)   # a device's chunks: their sum
         once = _per_device(per_step[e + 1] - per_step[a] + shared.seconds[a, e] - extra_seconds, schedule, p, v)
-        self.args, self.a, self.times, self.memory, self.once = (T, m, schedule, v, parts), a, times, memory, once
+        self.args, self.a, self.e, self.times, self.memory, self.once = (m, schedule, v, parts), a, e, times, memory, once
         self.memory_max = float(memory.max())
         self.floor = (m * float(_per_device(times, schedule, p, v).max()) + float(once.max())
                       if schedule in ZERO_BUBBLES else -np.inf)
@@ -691,10 +685,9 @@ class _Priced:
         if self.memory_max > budget or self.floor >= cutoff:
             return None
         if self.found is None:
-            T, m, schedule, v, parts = self.args
-            a, times, once, p = self.a, self.times, self.once, len(self.a) // v
+            m, schedule, v, parts = self.args
+            a, e, times, once, p = self.a, self.e, self.times, self.once, len(self.a) // v
             if schedule in ZERO_BUBBLES:   # the cut transfers (T's rest), half with the forward, half with B
-                e = np.r_[a[1:], T.shape[0]] - 1
                 f, bwd, w = (x[a, e] for x in parts[:3])
                 cut = times - f - bwd
                 step = zero_bubble_step(f + cut / 2, bwd - w + cut / 2, w, m, v, schedule in V_SHAPED)
@@ -712,13 +705,13 @@ class _Splits:
     meet the same splits again and again (Llama-3-70B x 64, bf16: half of 27k prices were repeats)."""
 
     def __init__(self, T, cm, m, schedule, v, per_step: np.ndarray, shared: _Shared, parts=None):
-        self.T, self.args, self.seen = T, (cm, m, schedule, v, per_step, shared, parts), {}
+        self.args, self.seen = (T, cm, m, schedule, v, per_step, shared, parts), {}
 
     def __call__(self, bounds, budget: float = np.inf, cutoff: float = np.inf) -> StageSplit | None:
         key = tuple(bounds)
         priced = self.seen.get(key)
         if priced is None:
-            priced = self.seen[key] = _Priced(self.T, self.args[0], bounds, *self.args[1:])
+            priced = self.seen[key] = _Priced(bounds, *self.args)
         return priced.split(budget, cutoff)
 
 

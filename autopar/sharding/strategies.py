@@ -95,8 +95,9 @@ class StrategyEnumerator:
         # axes must divide by each cut): the product runs over those that do, and a combination that cuts
         # no tensor's dim on two axes fits as each of its axes does (`divides`, `_partial_ok`): only those
         # that do are checked whole
-        usable = [[(a, self._cut_dims(a, call, in_shapes)) for a in per_axis
-                   if self._fits(*self._on_axis(a, i, call), in_shapes)] for i in range(len(self.axis_sizes))]
+        cut = [self._cut_dims(a, call, in_shapes) for a in per_axis]
+        usable = [[(a, dims) for a, dims in zip(per_axis, cut) if self._fits(*self._on_axis(a, i, call), in_shapes)]
+                  for i in range(len(self.axis_sizes))]
         result = []
         for pairs in itertools.product(*usable):
             combo = [a for a, _ in pairs]
