@@ -429,3 +429,47 @@ def test_the_banded_least_sum_equals_every_split_enumerated():
         assert bounds[0] == 0 and all(a < b for a, b in zip(bounds, ends))
         assert all(masks[k][a, b - 1] and T[a, b - 1] <= bound for k, (a, b) in enumerate(zip(bounds, ends)))
         assert sum(T[a, b - 1] for a, b in zip(bounds, ends)) == pytest.approx(total)
+
+
+@pytest.mark.parametrize("schedule", ["zero_bubble", "interleaved_zero_bubble", "zero_bubble_v"])
+def test_a_zero_bubble_splits_floor_is_below_its_walked_step(schedule):
+    """`stages._Priced.floor`, what lets `partition` skip walking torch's order for a split that cannot beat the
+    best found: each device's m micro-batches of its chunks' work after every earlier chunk's forward, plus the
+    per-step seconds. Never above the split's walked step (random units, cuts, transfers, per-step seconds), and
+    the busiest device's work alone would be a weaker floor on the later devices (the forwards they wait for)."""
+    import numpy as np
+
+    from autopar.pipeline.stages import (
+        _parts,
+        _per_device,
+        _prefix,
+        _Priced,
+        _Shared,
+        _stage_memory,
+        chunks_per_device,
+        stage_time_matrix,
+    )
+
+    rng = random.Random(3)
+    v = chunks_per_device(schedule)
+    above_work = 0
+    for _ in range(40):
+        n, p = rng.randint(2 * v + 2, 16), rng.randint(2, 4)
+        if p * v > n:
+            continue
+        m = rng.choice([p, 2 * p, 4 * p] if schedule != "zero_bubble_v" else [2 * p, 4 * p])
+        layers = [dataclasses.replace(x, weight=rng.uniform(0.1, 0.6) * x.backward, per_step=rng.uniform(0.0, 0.3),
+                                      boundary_bytes=rng.uniform(0.0, 1e9)) for x in _random_layers(rng, n)]
+        p2p = lambda b: 1e-9 * b   # noqa: E731
+        T, counts = stage_time_matrix(layers, p2p), memory_counts(schedule, p, m, v)
+        mem = _stage_memory(layers, counts)
+        args = (T, np.stack([mem[c] for c in counts]), m, schedule, v, _prefix(layers, "per_step"),
+                _Shared.of(layers), _parts(layers, schedule, p2p))
+        for _ in range(10):
+            bounds = [0] + sorted(rng.sample(range(1, n), p * v - 1))
+            priced = _Priced(bounds, *args)
+            step = priced.split().step_time
+            assert priced.floor <= step
+            work = m * float(_per_device(priced.times, schedule, p, v).max()) + float(priced.once.max())
+            above_work += priced.floor > work
+    assert above_work > 0

@@ -38,7 +38,7 @@ from autopar.graph import PHASE, ROLE, layer_of, nbytes_of, node_path, producer_
 from autopar.pipeline.stages import LayerCost
 from autopar.placement import local_fraction
 from autopar.planning.costgraph import CostEdge, CostGraph, CostNode
-from autopar.planning.problem import CostProblem, spec_index
+from autopar.planning.problem import CostProblem
 from autopar.planning.recompute import expand
 
 PRE, POST = "<pre>", "<post>"
@@ -259,11 +259,10 @@ def all_reduce_matrix(prob: CostProblem, e) -> np.ndarray:
     """`_all_reduce_seconds` of gradient edge `e` for every (parameter strategy, producer strategy): the
     part of its cost-graph matrix that runs once per step, priced once per unique (master, gradient) spec
     pair and spread as `ProblemBuilder._edge_matrix` spreads its reshard prices."""
-    masters = [s.master for s in prob.strategies[e.src]]
-    grads = [d.outs[e.out] for d in prob.strategies[e.dst]]
-    small = np.array([[_all_reduce_share(prob, g, mst, e.nbytes) for g in dict.fromkeys(grads)]
-                      for mst in dict.fromkeys(masters)])
-    return small[np.ix_(spec_index(masters), spec_index(grads))]
+    masters = prob.reshard.unique([s.master for s in prob.strategies[e.src]])
+    grads = prob.reshard.unique([d.outs[e.out] for d in prob.strategies[e.dst]])
+    small = np.array([[_all_reduce_share(prob, g, mst, e.nbytes) for g in grads[0]] for mst in masters[0]])
+    return small[np.ix_(masters[2], grads[2])]
 
 
 def step_weighted(prob: CostProblem, act_weight: float = 1.0, step_weight: float = 1.0) -> CostProblem:
@@ -308,9 +307,7 @@ def _all_reduce_seconds(prob: CostProblem, e, choice: np.ndarray) -> float:
 def _all_reduce_share(prob: CostProblem, grad_spec, master, nbytes: float) -> float:
     """The all-reduce steps of resharding a gradient `grad_spec` -> `master` (bucketed): the same terms as
     `ReshardCost.time`, which prices the edge."""
-    rs = prob.reshard
-    return sum(rs.step_time(st, bucketed=True, total_bytes=nbytes)
-               for st in rs.steps(grad_spec, master, nbytes) if st.kind == "all_reduce")
+    return prob.reshard.all_reduce_time(grad_spec, master, nbytes)
 
 
 def _boundaries(prob: CostProblem, choice: np.ndarray, unit: list[int], n: int) -> np.ndarray:

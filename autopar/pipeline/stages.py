@@ -279,6 +279,16 @@ def _zero_bubble_arrays(p: int, m: int, v: int, v_shape: bool = False) -> tuple[
     return kind, stage, [a[2] for a in actions], [d[0] for d in deps], [d[1] for d in deps]
 
 
+@functools.lru_cache(maxsize=32)
+def _zero_bubble_heads(p: int, m: int, v: int, v_shape: bool = False) -> np.ndarray:
+    """Per device, the chunk its first action in torch's zero-bubble order runs forward (0 where that action is
+    no forward): it waits for every earlier chunk's forward of that micro-batch, so the device starts no sooner
+    than their forward seconds (`_Priced`'s floor)."""
+    from autopar import _torch_compat as compat
+    order = compat.zero_bubble_order(p, m, v, v_shape)
+    return np.array([rank[0][0] if rank and rank[0][1] == "F" else 0 for rank in order], dtype=np.intp)
+
+
 def _step(t: np.ndarray, m: int, schedule: str, v: int) -> float:
     if schedule != "interleaved_1f1b":
         return float(t.sum() + (m - 1) * t.max())
@@ -676,8 +686,15 @@ class _Priced:
         once = _per_device(per_step[e + 1] - per_step[a] + shared.seconds[a, e] - extra_seconds, schedule, p, v)
         self.args, self.a, self.e, self.times, self.memory, self.once = (m, schedule, v, parts), a, e, times, memory, once
         self.memory_max = float(memory.max())
-        self.floor = (m * float(_per_device(times, schedule, p, v).max()) + float(once.max())
-                      if schedule in ZERO_BUBBLES else -np.inf)
+        self.floor = -np.inf
+        if schedule in ZERO_BUBBLES:
+            # a device runs m of each of its chunks' work one after another, from when its first forward's
+            # inputs are ready: after every earlier chunk's forward (forward seconds and half of each cut)
+            fwd = parts[0][a, e]
+            fwd = fwd + (times - fwd - parts[1][a, e]) / 2
+            head = np.r_[0.0, np.cumsum(fwd)][_zero_bubble_heads(p, m, v, schedule in V_SHAPED)]
+            busy = head + m * _per_device(times, schedule, p, v)
+            self.floor = float(busy.max()) * (1 - 1e-9) + float(once.max())
         self.found: StageSplit | None = None
 
     def split(self, budget: float = np.inf, cutoff: float = np.inf) -> StageSplit | None:

@@ -197,6 +197,7 @@ class ProblemBuilder:
         # Keys hold id() of strategy lists; each entry also holds the lists, so an id is never reused.
         self._memo: dict[tuple, tuple[np.ndarray, tuple]] = {}
         self._placeholder_strategies: dict[tuple, list[NodeStrategy]] = {}
+        self._specs: dict[tuple, tuple] = {}   # `_unique_specs`: (list id, side, index) -> (the list, its answer)
         self.prune = prune  # False keeps every rule strategy (tests compare the optima)
         # a stamped layer's op takes its template's strategies and signature (`stamped_templates`); False
         # enumerates every node afresh (tests compare the two)
@@ -402,32 +403,32 @@ class ProblemBuilder:
 
     def _edge_matrix(self, src_s: list[NodeStrategy], dst_s: list[NodeStrategy], e: EdgeInfo) -> np.ndarray:
         if e.kind == "grad":  # src is the parameter: its master spec; dst produces the gradient
-            src_specs = [s.master for s in src_s]
-            dst_specs = [d.outs[e.out] for d in dst_s]
-            small = self._spec_matrix(dst_specs, src_specs, e.nbytes, bucketed=True).T
+            src, dst = self._unique_specs(src_s, "master"), self._unique_specs(dst_s, "outs", e.out)
+            small = self._spec_matrix(dst, src, e.nbytes, bucketed=True).T
         else:
-            src_specs = [s.outs[e.out] for s in src_s]
-            dst_specs = [d.ins[e.pos] for d in dst_s]
-            small = self._spec_matrix(src_specs, dst_specs, e.nbytes, bucketed=False, gather_share=e.gather_share)
+            src, dst = self._unique_specs(src_s, "outs", e.out), self._unique_specs(dst_s, "ins", e.pos)
+            small = self._spec_matrix(src, dst, e.nbytes, bucketed=False, gather_share=e.gather_share)
             if e.no_reduce:
-                small = np.where(self._reduces(src_specs, dst_specs), np.inf, small)
-        return small[np.ix_(spec_index(src_specs), spec_index(dst_specs))]
+                small = np.where(self.reshard.reduces(src[0], dst[0]), np.inf, small)
+        return small[np.ix_(src[2], dst[2])]
 
-    def _reduces(self, a_specs, b_specs) -> np.ndarray:
-        """Per unique spec pair: does resharding a -> b all-reduce or reduce-scatter?"""
-        return self.reshard.reduces(list(dict.fromkeys(a_specs)), list(dict.fromkeys(b_specs)))
+    def _unique_specs(self, strats: list[NodeStrategy], side: str, k: int = 0) -> tuple:
+        """`ReshardCost.unique` of one spec of each strategy (its master spec, output k or input k), once per
+        strategy list: identical layers share their lists, and an op's list meets many edges."""
+        key = (id(strats), side, k)
+        found = self._specs.get(key)
+        if found is None:
+            specs = [s.master for s in strats] if side == "master" else [getattr(s, side)[k] for s in strats]
+            found = self._specs[key] = (strats, self.reshard.unique(specs))
+        return found[1]
 
-    def _spec_matrix(self, a_specs, b_specs, nbytes: float, bucketed: bool, gather_share: float = 1.0) -> np.ndarray:
-        """reshard(a -> b) over the unique specs of each side, in first-seen order; identical layers
-        repeat the same (specs, specs, bytes), so each distinct matrix is priced once."""
-        key = (tuple(a_specs), tuple(b_specs), float(nbytes), bucketed, gather_share)
+    def _spec_matrix(self, a: tuple, b: tuple, nbytes: float, bucketed: bool, gather_share: float = 1.0) -> np.ndarray:
+        """reshard(a -> b) over the distinct specs of each side (`ReshardCost.unique`'s answers), in first-seen
+        order; identical layers repeat the same (specs, specs, bytes), so each distinct matrix is priced once."""
+        key = (a[1], b[1], float(nbytes), bucketed, gather_share)
         if key not in self._matrices:
-            self._matrices[key] = self._price_specs(a_specs, b_specs, nbytes, bucketed, gather_share)
+            self._matrices[key] = self.reshard.matrix(a[0], b[0], nbytes, bucketed, gather_share)
         return self._matrices[key]
-
-    def _price_specs(self, a_specs, b_specs, nbytes: float, bucketed: bool, gather_share: float) -> np.ndarray:
-        return self.reshard.matrix(list(dict.fromkeys(a_specs)), list(dict.fromkeys(b_specs)), nbytes, bucketed,
-                                   gather_share)
 
     def _cost_graph(self, prob: CostProblem) -> CostGraph:
         nodes = [CostNode(n.name, prob.compute[i] + prob.local_comm[i], sum(prob.memory[i].values()))
@@ -467,12 +468,6 @@ def _same_across_layers(nodes: list[fx.Node], full: list[list], pruned: list[lis
                 by_full[id(full[i])] = [s for s in full[i] if s in union]
             out[i] = by_full[id(full[i])]
     return out
-
-
-def spec_index(specs: list) -> list[int]:
-    """Position of each spec among the unique specs in first-seen order."""
-    first = {sp: i for i, sp in enumerate(dict.fromkeys(specs))}
-    return [first[sp] for sp in specs]
 
 
 def layer_groups(prob: CostProblem) -> list[list[list[int]]]:

@@ -166,12 +166,29 @@ class ReshardCost:
         self._terms = lru_cache(maxsize=None)(self._step_terms)
         self._affine: dict[tuple, np.ndarray] = {}   # `matrix`'s coefficients
         self._pair_coefficients: dict[tuple[int, int, bool], tuple] = {}   # `_coefficients` per spec pair
+        self._all_reduces: dict[tuple, float] = {}   # `all_reduce_time`
 
     def _number(self, spec: Spec) -> int:
         found = self._by_id.get(id(spec))
         if found is None:   # the spec is held in _by_id, so its id is never reused for another object
             found = self._by_id[id(spec)] = (spec, _SPEC_NUMBERS.setdefault(spec, len(_SPEC_NUMBERS)))
         return found[1]
+
+    def unique(self, specs: list) -> tuple[list, tuple[int, ...], list[int]]:
+        """(the distinct specs of `specs` in first-seen order, their numbers, each spec's position among
+        them): `dict.fromkeys` and an index of it, keyed by the specs' numbers (hashing Placements is slow
+        Python, and the planner indexes the same spec lists for every edge of every build)."""
+        where: dict[int, int] = {}
+        firsts: list = []
+        index = []
+        for spec in specs:
+            number = self._number(spec)
+            at = where.get(number)
+            if at is None:
+                at = where[number] = len(firsts)
+                firsts.append(spec)
+            index.append(at)
+        return firsts, tuple(where), index
 
     def step_time(self, step: Step, bucketed: bool = False, total_bytes: float | None = None,
                   gather_share: float = 1.0) -> float:
@@ -234,16 +251,18 @@ class ReshardCost:
         key = (tuple(map(self._number, a_specs)), tuple(map(self._number, b_specs)), bucketed)
         coef = self._affine.get(key)
         if coef is None:
-            coef = np.zeros((3, len(a_specs), len(b_specs)))
-            for i, (a, na) in enumerate(zip(a_specs, key[0])):
-                for j, (b, nb) in enumerate(zip(b_specs, key[1])):
-                    if na != nb:
-                        found = self._pair_coefficients.get((na, nb, bucketed))
-                        if found is None:   # a pair recurs in many spec lists
-                            found = self._pair_coefficients[na, nb, bucketed] = self._coefficients(
-                                self._pair(a, b, na, nb), bucketed)
-                        coef[:, i, j] = found
-            self._affine[key] = coef
+            known, none = self._pair_coefficients, (0.0, 0.0, 0.0)
+            rows = []
+            for a, na in zip(a_specs, key[0]):
+                row = []
+                for b, nb in zip(b_specs, key[1]):
+                    found = known.get((na, nb, bucketed)) if na != nb else none
+                    if found is None:   # a pair recurs in many spec lists
+                        found = known[na, nb, bucketed] = self._coefficients(self._pair(a, b, na, nb), bucketed)
+                    row.append(found)
+                rows.append(row)
+            coef = self._affine[key] = np.array(rows, dtype=float).reshape(len(a_specs), len(b_specs), 3) \
+                .transpose(2, 0, 1)
         slope, fixed, gathered = coef
         nbytes = float(nbytes)
         if bucketed:
@@ -282,6 +301,16 @@ class ReshardCost:
             else:
                 fixed += hops * latency + LAUNCH_FRACTION * latency + sync
         return slope, fixed, gathered
+
+    def all_reduce_time(self, src: Spec, dst: Spec, nbytes: float) -> float:
+        """The all-reduce steps' share of `time(src, dst, nbytes, bucketed=True)` (a gradient's reshard: the
+        part that runs once per step, `autopar.pipeline.layer_profile`), cached per (src, dst, bytes)."""
+        key = (self._number(src), self._number(dst), float(nbytes))
+        t = self._all_reduces.get(key)
+        if t is None:
+            t = self._all_reduces[key] = sum(self.step_time(st, bucketed=True, total_bytes=nbytes)
+                                             for st in self.steps(src, dst, nbytes) if st.kind == "all_reduce")
+        return t
 
     def steps(self, src: Spec, dst: Spec, nbytes: float) -> list[Step]:
         return steps(src, dst, nbytes, self.axis_sizes)
