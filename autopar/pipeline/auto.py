@@ -118,6 +118,7 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     prof = Profiler(model, example_inputs, mesh.hardware, mesh.devices_per_node, optimizer, loss_fn, time_limit,
                     policy, example_kwargs)
     prof.captures[1] = (captured, tuple(example_inputs))   # the whole batch: the bounds' graph
+    facts = prof.graph_facts.setdefault(id(captured), {})   # its stamped templates etc., once for every shape
     pipelines = pipelines and mesh.size > 1 and recompute in (None, "auto", "none") and _splits_batch(example_inputs)
     plans, floors, deferred = [], [], []
     refused: dict = {}   # the recipes priced on the caller's mesh where its SPMD plan does not fit
@@ -131,7 +132,7 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
             plans.append(spmd.solve_captured(captured, model, example_inputs, mesh=spmd_mesh,
                                              memory_budget=memory_budget, optimizer=optimizer, time_limit=time_limit,
                                              baselines=baselines and k == 0, timer=phases, recompute=rc,
-                                             cutoff=cutoff, resume=resume, ceiling=ceiling))
+                                             cutoff=cutoff, resume=resume, ceiling=ceiling, graph_facts=facts))
             step = plans[-1].predicted_step_time if plans[-1].feasible else step
         except InfeasiblePlanError as e:
             floors.append(e)

@@ -67,7 +67,7 @@ def plan_captured(captured, model, example_inputs, **options) -> Plan:
 def solve_captured(captured, model, example_inputs, *, mesh, strategy="auto", memory_budget=None, optimizer="adamw",
                    time_limit=None, baselines: bool = True, timer=None, recompute=None,
                    cutoff: float | None = None, resume: PlanCutoff | None = None,
-                   ceiling: float | None = None) -> Solved:
+                   ceiling: float | None = None, graph_facts: dict | None = None) -> Solved:
     """The SPMD plan of a captured graph, solved (`Solved`: its Plan assembled on demand).
     `cutoff` (seconds; strategy "auto" under a budget): when the fastest plan without the memory row
     does not fit, and is not faster than `cutoff`, raise PlanCutoff instead of solving under the row
@@ -76,7 +76,8 @@ def solve_captured(captured, model, example_inputs, *, mesh, strategy="auto", me
     PlanCutoff, to plan on from its CostProblem (the budget-free optimum in its solver cache) and recipes.
     `ceiling` (seconds; the layout search's best plan so far): a plan slower than it is of no use, so the
     recipes whose fastest plan without the memory row is slower do not warm-start the recompute solve
-    (`_recipe_hints`)."""
+    (`_recipe_hints`). `graph_facts`: a store of what depends on the graph alone, shared by the builds of one
+    capture on several meshes (`ProblemBuilder.share_graph_facts`)."""
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh)
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     wanted = recipes.normalize(strategy, mesh)
@@ -87,7 +88,10 @@ def solve_captured(captured, model, example_inputs, *, mesh, strategy="auto", me
         prob, table, solutions = resume.state
     else:
         with timer("strategies+costs"):  # candidate placements per op, priced in seconds and bytes
-            prob = ProblemBuilder(captured, mesh, optimizer).build()
+            builder = ProblemBuilder(captured, mesh, optimizer)
+            if graph_facts is not None:
+                builder.share_graph_facts(graph_facts)
+            prob = builder.build()
             prob.cg.memory_budget = budget
             log(2, f"cost graph: {len(prob.cg.nodes)} nodes, {len(prob.cg.edges)} edges, "
                    f"{sum(len(s) for s in prob.strategies)} strategies, {len(prob.cg.layer_groups)} layer classes")
