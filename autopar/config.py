@@ -9,6 +9,7 @@
 | AUTOPAR_KEEP_CPU_MEMORY | 1 | 0: leave glibc's malloc thresholds as they are (`autopar/runtime/cpu_memory.py`) |
 | AUTOPAR_CALIBRATE | 1 | 0: a CPU `autoparallelize` with no mesh plans on the uncalibrated `cpu` preset instead of this machine's profile, measured at first use and cached (`autopar/calibration/machine.py`) |
 | AUTOPAR_CACHE_DIR | ~/.cache/autopar | where those profiles are cached ($XDG_CACHE_HOME/autopar when that is set) |
+| AUTOPAR_PLAN_WORKER | 1 | 0: the layout search computes its LP bounds itself, without the second process that works them out ahead of it (`autopar/pipeline/bound_worker.py`) |
 | AUTOPAR_COMPILE_OVERLAP | unset | how a compiled program's collectives overlap compute: `inductor`, `layers` or `program` (`autopar.runtime.compile.OVERLAP`); unset: the measured default for the device type |
 
 Each is read when it is used (not at import), so a test or a script may set it at any time.
@@ -27,6 +28,7 @@ KEEP_CPU_MEMORY = "AUTOPAR_KEEP_CPU_MEMORY"
 CALIBRATE = "AUTOPAR_CALIBRATE"
 CACHE_DIR = "AUTOPAR_CACHE_DIR"
 COMPILE_OVERLAP = "AUTOPAR_COMPILE_OVERLAP"
+PLAN_WORKER = "AUTOPAR_PLAN_WORKER"
 _OFF = ("0", "false", "off", "no")
 
 
@@ -57,6 +59,10 @@ def keep_cpu_memory() -> bool:
 
 def calibrate_enabled() -> bool:
     return os.environ.get(CALIBRATE, "1").strip().lower() not in _OFF
+
+
+def plan_worker_enabled() -> bool:
+    return os.environ.get(PLAN_WORKER, "1").strip().lower() not in _OFF
 
 
 def cache_dir() -> Path:

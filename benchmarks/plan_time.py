@@ -7,8 +7,10 @@
 
 Prints capture / canonicalize / strategies+costs / baselines / solve / search / total seconds
 (plan.timings), the wall and CPU seconds of the whole `autopar.plan` call (plan_wall, plan_cpu: what
-the phases leave out, and a figure less sensitive to a loaded machine than wall time) and peak RSS
-(ru_maxrss of the case's own process). Every case is the default call
+the phases leave out, and a figure less sensitive to a loaded machine than wall time), the CPU seconds and
+peak RSS of the layout search's bound worker, a forked process on the second CPU (worker_cpu, worker_rss_mb:
+`autopar/pipeline/bound_worker.py`; AUTOPAR_PLAN_WORKER=0 plans without it) and peak RSS (ru_maxrss of the
+case's own process). Every case is the default call
 (`autopar.plan(model, inputs, mesh=Mesh((N // 8, 8)), memory_budget="80GB")`, the layout search
 included); the "-bf16" cases add mixed_precision="bf16" (issue 27's targets: Llama-3-8B (batch 64 x 4096)
 on 64 < 15 s; Llama-3-70B (32 x 4096) on 64 < 30 s and on 512 < 60 s; Llama-3.1-405B (2048 x 8192)
@@ -25,7 +27,7 @@ import time
 import warnings
 
 PHASES = ("capture", "canonicalize", "strategies+costs", "baselines", "solve", "search", "total", "plan_wall",
-          "plan_cpu")
+          "plan_cpu", "worker_cpu")
 CASES = ("gpt2-8", "gpt2-64", "llama3-8b-8", "llama3-8b-64", "llama3-70b-512", "llama3-405b-512",
          "llama3-8b-bf16-64", "llama3-70b-bf16-64", "llama3-70b-bf16-512", "llama3-405b-bf16-2048")
 
@@ -52,16 +54,20 @@ def run_case(name: str, summary: str | None = None) -> dict:
                          "llama3-405b": lambda: models.meta_llama3_405b(batch=2048, seq=8192)})
     case = builders[model_name]()
     wall, cpu = time.perf_counter(), time.process_time()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)   # the search's bound worker (a forked process)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         plan = autopar.plan(case.model, case.example_inputs, mesh=_mesh(int(devices)), memory_budget="80GB",
                             mixed_precision="bf16" if bf16 else None)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    worker_cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     search = plan.solver.get("search", {})
     if summary:   # the plan on one screen, as a user reads it (plain text)
         with open(summary, "w") as f:
             f.write(plan.summary(rich=False) + "\n")
-    return {"case": name, **plan.timings, "plan_wall": wall, "plan_cpu": cpu, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    return {"case": name, **plan.timings, "plan_wall": wall, "plan_cpu": cpu, "worker_cpu": worker_cpu,
+            "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "worker_rss_mb": after.ru_maxrss / 1024,
             "step_ms": plan.predicted_step_time * 1e3, "mem_gb": plan.memory_per_device / 1e9,
             "solver": plan.solver.get("status", ""), "mesh": str(tuple(plan.mesh.shape)),
             "layout": "x".join(f"{a}{n}" for a, n in zip(plan.mesh.axis_names, plan.mesh.shape)),

@@ -70,7 +70,8 @@ from autopar.errors import InfeasiblePlanError, InputError
 from autopar.mesh import Mesh
 from autopar.pipeline import planning as pipelined
 from autopar.pipeline import regrid
-from autopar.pipeline.candidates import Candidate, branch_and_bound
+from autopar.pipeline.bound_worker import BoundWorker
+from autopar.pipeline.candidates import Candidate, branch_and_bound, lp_requests
 from autopar.pipeline.search import DEFAULT_SCHEDULES, Profiler, batch_size, candidate_jobs, state_floor
 from autopar.pipeline.stages import INTERLEAVE, V_SHAPED, chunks_per_device, step_lower_bound
 from autopar.plan import Plan
@@ -120,6 +121,19 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     prof.captures[1] = (captured, tuple(example_inputs))   # the whole batch: the bounds' graph
     facts = prof.graph_facts.setdefault(id(captured), {})   # its stamped templates etc., once for every shape
     pipelines = pipelines and mesh.size > 1 and recompute in (None, "auto", "none") and _splits_batch(example_inputs)
+    jobs: list[tuple] = []
+    worker = None   # works out the layout search's LP bounds while the SPMD shapes are solved (`bound_worker`)
+    if pipelines:
+        schedules = (schedule,) if schedule else DEFAULT_SCHEDULES   # every runtime schedule, zero bubble included
+        with timer("search"):   # the bounds' one-device problem of the whole batch (unit count included)
+            # pp = 1 with m > 1 is gradient accumulation (one stage, the micro-batches one after another:
+            # activations of one micro-batch held); pp = 1, m = 1 is the SPMD plan planned below
+            # GPipe only where 1F1B of the same candidate is not searched (`search.dominated_by_1f1b`)
+            jobs = [job for job in candidate_jobs(prof, mesh, batch_size(example_inputs), schedules, num_microbatches,
+                                                  list(range(1, mesh.size + 1)), keep_dominated=False)
+                    if job[0] > 1 or job[3] > 1]
+            if search == "fast":
+                worker = BoundWorker(prof, lp_requests(prof, jobs, budget, recompute=recompute != "none"))
     plans, floors, deferred = [], [], []
     refused: dict = {}   # the recipes priced on the caller's mesh where its SPMD plan does not fit
 
@@ -184,18 +198,10 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     flat = next((p for p in plans if p.feasible and p.mesh.ndim == 1), None)
     incumbent = min((p.predicted_step_time for p in plans if p.feasible), default=float("inf"))
     found: list[Candidate] = []
-    jobs: list[tuple] = []
     searched: list[tuple] = []   # the jobs branch and bound prices: all of them, or the fast search's probe
     explored, walk = False, {}
     if pipelines:
-        schedules = (schedule,) if schedule else DEFAULT_SCHEDULES   # every runtime schedule, zero bubble included
-        with timer("search"):   # the bounds' one-device problem of the whole batch (unit count included)
-            # pp = 1 with m > 1 is gradient accumulation (one stage, the micro-batches one after another:
-            # activations of one micro-batch held); pp = 1, m = 1 is the SPMD plan planned above
-            # GPipe only where 1F1B of the same candidate is not searched (`search.dominated_by_1f1b`)
-            jobs = [job for job in candidate_jobs(prof, mesh, batch_size(example_inputs), schedules, num_microbatches,
-                                                  list(range(1, mesh.size + 1)), keep_dominated=False)
-                    if job[0] > 1 or job[3] > 1]
+        with timer("search"):
             least = min((step_lower_bound(*prof.seconds_bound(m, dp * tp), pp, m, s, INTERLEAVE)
                          for pp, dp, tp, m, names in jobs if pp > 1 for s in names), default=float("inf"))
             if flat is not None:
@@ -209,12 +215,17 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
         # a model that fills devices: every pipeline where they are few (seconds), else the probe
         explored = explored or (probing and _candidates(jobs, v_shaped=False) <= SMALL_SEARCH)
         searched = jobs if explored else probe_jobs(jobs) if probing else []
+        if not explored and worker is not None:   # the probe's sub-meshes are 1-D: no LP bounds
+            worker.close()
         if searched:
             with timer("search"):
                 found = branch_and_bound(prof, searched, budget, None, keep=1, incumbent=incumbent,
-                                         fast=search == "fast", stats=walk, recompute=recompute != "none")
+                                         fast=search == "fast", stats=walk, recompute=recompute != "none",
+                                         worker=worker)
             log(1, f"layout search{'' if explored else ' (probe)'}: {_candidates(searched)} pipeline "
                    f"candidates, {len(found)} priced (incumbent {incumbent:.4g} s)")
+    if worker is not None:
+        worker.close()
     piped = min((c for c in found if c.feasible), key=lambda c: c.step_time, default=None)
     fastest = min(incumbent, piped.step_time if piped is not None else float("inf"))
     pruned, more = {}, []

@@ -66,6 +66,7 @@ import numpy as np
 from autopar.costmodel.memory import format_bytes
 from autopar.errors import InfeasiblePlanError
 from autopar.mesh import Mesh
+from autopar.pipeline.bound_worker import BoundWorker
 from autopar.pipeline.stages import (
     INTERLEAVE,
     INTERLEAVED,
@@ -123,7 +124,8 @@ class Candidate:
 
 
 def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumbent: float = float("inf"),
-                     fast: bool = False, stats: dict | None = None, recompute: bool = True) -> list[Candidate]:
+                     fast: bool = False, stats: dict | None = None, recompute: bool = True,
+                     worker: BoundWorker | None = None) -> list[Candidate]:
     """Price `jobs` best-first by a lower bound of their step time, skipping every candidate whose
     bound exceeds the `keep`-th fastest feasible time found so far: it cannot be among the `keep`
     fastest, so the search's best (and its keep - 1 runners-up) are those of pricing every job.
@@ -149,7 +151,39 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
     than interleaved zero bubble's: tests/test_stages.py).
     `stats` (a dict) receives groups, groups_priced (those where some candidate was priced),
     lp_pruned (candidates the LP bound skipped) and rows_skipped. `recompute=False`: no candidate is
-    priced with recompute (`price`)."""
+    priced with recompute (`price`). `worker`: a `BoundWorker` already working out this search's LP bounds
+    (`lp_requests`; the default search forks it before its SPMD shapes), else the search forks its own."""
+    ordered, rerun_of = _ordered_groups(prof, jobs, budget, strategy, fast, recompute)
+    own = worker is None
+    worker = BoundWorker(prof, _requests(ordered, strategy, fast, incumbent), strategy) if own else worker
+    try:
+        found, priced, lp_pruned = _walk(prof, ordered, budget, strategy, keep, incumbent, fast, recompute, rerun_of,
+                                         worker)
+    finally:
+        if own:
+            worker.close()
+    if stats is not None:
+        stats.update(groups=len(ordered), groups_priced=priced, lp_pruned=lp_pruned,
+                     rows_skipped=sum(c.reason.startswith(SKIPPED) for c in found))
+    return found
+
+
+def lp_requests(prof: Profiler, jobs, budget, strategy=None, fast: bool = True, recompute: bool = True,
+                incumbent: float = float("inf")) -> list[tuple]:
+    """The LP bounds (`Profiler.lp_bound`'s m, dp, tp, ratio) that `branch_and_bound` with these arguments may ask
+    for, in its order (accumulation's among them): what a `BoundWorker` works out from the last one back."""
+    return _requests(_ordered_groups(prof, jobs, budget, strategy, fast, recompute)[0], strategy, fast, incumbent)
+
+
+def _requests(ordered: list[list[tuple]], strategy, fast: bool, incumbent: float) -> list[tuple]:
+    return [(m, dp, tp, step_weight(pp, m)) for group in ordered for bound, pp, dp, tp, m, s in group
+            if fast and strategy is None and min(dp, tp) > 1 and bound <= incumbent]
+
+
+def _ordered_groups(prof: Profiler, jobs, budget, strategy, fast: bool, recompute: bool
+                    ) -> tuple[list[list[tuple]], dict[tuple, float]]:
+    """`branch_and_bound`'s candidates with their first bounds, (bound, pp, dp, tp, m, schedule), grouped by (m, sub-mesh)
+    and the groups in order of their least bound; and the least re-run seconds of each recompute-only candidate."""
     groups: dict[tuple, list[tuple]] = {}
     rerun_of: dict[tuple, float] = {}   # the least re-run seconds per micro-batch of a recompute-only candidate
     for pp, dp, tp, m, names in jobs:
@@ -169,6 +203,13 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
                 rerun = rerun_of[pp, dp, tp, m, s] = prof.rerun_seconds_bound(m, dp * tp, excess)
                 bound = step_lower_bound(ops + rerun, step, pp, m, s, INTERLEAVE)
             groups.setdefault((m, *prof._inner(dp, tp, strategy)), []).append((bound, pp, dp, tp, m, s))
+    return sorted(groups.values(), key=lambda group: min(group)[0]), rerun_of   # stable on ties
+
+
+def _walk(prof: Profiler, ordered: list[list[tuple]], budget, strategy, keep: int, incumbent: float, fast: bool,
+          recompute: bool, rerun_of: dict, worker: BoundWorker) -> tuple[list[Candidate], int, int]:
+    """`branch_and_bound`'s walk over its groups in bound order: (the candidates priced, how many groups had one
+    priced, how many candidates the LP bound skipped)."""
     found: list[Candidate] = []
     fastest: list[float] = []
     cutoff = incumbent
@@ -178,7 +219,6 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
     # Llama-13B x 16, 40 GB, 23 and 105 CPU s before any pipeline was priced), while one that fits sets the
     # cutoff early (Llama-3-70B x 64: 1 x 8 x 8, m 2 fits, and a pipeline group's rows are then skipped)
     waiting: list[tuple] = []
-    ordered = sorted(groups.values(), key=lambda group: min(group)[0])   # stable on ties
     last = False   # pricing the accumulation that waited, under the cutoff of the rest
     for group in ordered + [[]]:
         if not group:   # every other candidate priced: the accumulation that waited
@@ -196,7 +236,10 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
                 continue
             if costly and fast and cutoff < float("inf"):   # the LP bound in place of the forest
                 # a recompute-only candidate's plan runs a tiled plan's seconds and its re-run on top
-                lp = prof.lp_bound(m, dp, tp, strategy, step_weight(pp, m)) + rerun_of.get((pp, dp, tp, m, s), 0.0)
+                lp = worker.get(m, dp, tp, step_weight(pp, m))
+                if lp is None:
+                    lp = prof.lp_bound(m, dp, tp, strategy, step_weight(pp, m))
+                lp += rerun_of.get((pp, dp, tp, m, s), 0.0)
                 if _per_microbatch(pp, m, s) * lp > cutoff:
                     lp_pruned += 1
                     continue
@@ -212,10 +255,7 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
             # the bound is a sum of the same terms in another order: allow for float rounding
             cutoff = min(incumbent, fastest[-1] * (1 + 1e-9) if len(fastest) == keep else float("inf"))
         priced += priced_here
-    if stats is not None:
-        stats.update(groups=len(groups), groups_priced=priced, lp_pruned=lp_pruned,
-                     rows_skipped=sum(c.reason.startswith(SKIPPED) for c in found))
-    return found
+    return found, priced, lp_pruned
 
 
 def _needs_recompute(prof: Profiler, pp: int, k: int, m: int, schedule: str, budget: float | None) -> bool:

@@ -143,6 +143,7 @@ class Profiler:
         self.graph_facts: dict[int, dict] = {}              # ProblemBuilder's graph-only facts per capture (id), shared
         self.weighted_views: dict[tuple, tuple] = {}        # (CostProblem key, weights) -> (CostProblem, its `weighted` view)
         self.solutions: dict[tuple, object] = {}            # layers()'s key -> the solver's Solution (plans build from it)
+        self.seeded: dict[tuple, tuple] = {}                # layers()'s key -> a budget-free profile solved elsewhere (`seed`)
         self.recomputes: dict[tuple, tuple] = {}            # layers()'s key -> `recomputed`'s answer
         self.expanded: tuple = (None, None)                 # (CostProblem, recompute.expand of it): the last one
 
@@ -244,6 +245,8 @@ class Profiler:
         formula over its factor on the first (`step_weight(pp, m)`); the profile prices the plan unweighted."""
         key = self._profile_key(m, dp, tp, budget, strategy, act_weight, step_weight)
         act_weight = key[-2]
+        if key not in self.profiles and key in self.seeded:
+            return self.seeded[key]
         if key not in self.profiles:
             prob = self.problem(m, dp, tp, strategy)
             view = self.weighted(m, dp, tp, strategy, act_weight, step_weight)
@@ -264,9 +267,20 @@ class Profiler:
     def solution(self, m: int, dp: int, tp: int, budget: float | None, strategy=None, act_weight: float = 1.0,
                  step_weight: float = 1.0):
         """The solver's Solution behind `layers(...)` with the same arguments (solved there if not yet):
-        a plan built from it is the plan the search priced (its `time` is the weighted objective)."""
+        a plan built from it is the plan the search priced (its `time` is the weighted objective); solved here where
+        the profile was seeded (`seed`)."""
+        key = self._profile_key(m, dp, tp, budget, strategy, act_weight, step_weight)
+        self.seeded.pop(key, None)
         self.layers(m, dp, tp, budget, strategy, act_weight, step_weight)
-        return self.solutions[self._profile_key(m, dp, tp, budget, strategy, act_weight, step_weight)]
+        return self.solutions[key]
+
+    def seed(self, m: int, dp: int, tp: int, strategy, step_weight: float, layers: tuple[LayerCost, ...]) -> None:
+        """`layers(m, dp, tp, None, strategy, step_weight=step_weight)`, solved by another process from the same
+        capture and build (`autopar.pipeline.bound_worker`: a deterministic function of the model and these
+        arguments): `layers` answers with it without a capture, build or solve; `solution` still solves."""
+        key = self._profile_key(m, dp, tp, None, strategy, 1.0, step_weight)
+        if key not in self.profiles:
+            self.seeded[key] = tuple(layers)
 
     def recomputed(self, m: int, dp: int, tp: int, budget: float | None, strategy=None, act_weight: float = 1.0,
                    step_weight: float = 1.0):
