@@ -122,7 +122,7 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     facts = prof.graph_facts.setdefault(id(captured), {})   # its stamped templates etc., once for every shape
     pipelines = pipelines and mesh.size > 1 and recompute in (None, "auto", "none") and _splits_batch(example_inputs)
     jobs: list[tuple] = []
-    worker = None   # works out the layout search's LP bounds while the SPMD shapes are solved (`bound_worker`)
+    least = float("inf")   # the least lower bound of a pipeline's step
     if pipelines:
         schedules = (schedule,) if schedule else DEFAULT_SCHEDULES   # every runtime schedule, zero bubble included
         with timer("search"):   # the bounds' one-device problem of the whole batch (unit count included)
@@ -132,8 +132,9 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
             jobs = [job for job in candidate_jobs(prof, mesh, batch_size(example_inputs), schedules, num_microbatches,
                                                   list(range(1, mesh.size + 1)), keep_dominated=False)
                     if job[0] > 1 or job[3] > 1]
-            if search == "fast":
-                worker = BoundWorker(prof, lp_requests(prof, jobs, budget, recompute=recompute != "none"))
+            least = min((step_lower_bound(*prof.seconds_bound(m, dp * tp), pp, m, s, INTERLEAVE)
+                         for pp, dp, tp, m, names in jobs if pp > 1 for s in names), default=float("inf"))
+    worker = None   # works out the layout search's LP bounds while the other SPMD shapes are solved (`bound_worker`)
     plans, floors, deferred = [], [], []
     refused: dict = {}   # the recipes priced on the caller's mesh where its SPMD plan does not fit
 
@@ -183,10 +184,15 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     shapes = _spmd_meshes(mesh)
     recomputing = False   # a 1-D mesh's recompute solves wait for the pipeline search (plan_flat)
     for k, spmd_mesh in enumerate(shapes):   # a 2-D mesh's memory-row solves wait (DEFER)
+        before = len(plans)
         if spmd_mesh.ndim == 1 and pipelines and recompute in (None, "auto"):
             recomputing |= plan_flat(k, spmd_mesh)
         else:
             plan_spmd(k, spmd_mesh, DEFER if spmd_mesh.ndim > 1 else None)
+        flat = next((p for p in plans[before:] if p.feasible), None)
+        if spmd_mesh.ndim == 1 and pipelines and search == "fast" and _searches_pipelines(search, flat, least):
+            # the 1-D plan says the search runs (the fast rule): its LP bounds are worked out from now on
+            worker = BoundWorker(prof, lp_requests(prof, jobs, budget, recompute=recompute != "none"))
     if pipelines and deferred and not recomputing and not any(p.feasible for p in plans):
         # without an incumbent the pipeline search prices every candidate until one fits (Llama-3.1-405B,
         # 2,048 x 8,192 tokens, on 256 x 8 H100s: 63 groups of 30-70 CPU s): the most promising mesh first.
@@ -201,22 +207,16 @@ def plan_auto(model, example_inputs, *, mesh: Mesh, memory_budget=None, optimize
     searched: list[tuple] = []   # the jobs branch and bound prices: all of them, or the fast search's probe
     explored, walk = False, {}
     if pipelines:
-        with timer("search"):
-            least = min((step_lower_bound(*prof.seconds_bound(m, dp * tp), pp, m, s, INTERLEAVE)
-                         for pp, dp, tp, m, names in jobs if pp > 1 for s in names), default=float("inf"))
-            if flat is not None:
-                log(1, f"fast rule: the 1-D SPMD plan {flat.predicted_step_time:.4g} s = "
-                       f"{flat.predicted_step_time / least:.3g} x the least pipeline bound {least:.4g} s "
-                       f"(FAST_RATIO {FAST_RATIO}; the best SPMD plan {incumbent / least:.3g} x)")
-            explored = search == "exact" or flat is None or bool(flat.recompute) or \
-                flat.predicted_step_time > FAST_RATIO * least   # flat is None where it needs recompute
+        if flat is not None:
+            log(1, f"fast rule: the 1-D SPMD plan {flat.predicted_step_time:.4g} s = "
+                   f"{flat.predicted_step_time / least:.3g} x the least pipeline bound {least:.4g} s "
+                   f"(FAST_RATIO {FAST_RATIO}; the best SPMD plan {incumbent / least:.3g} x)")
+        explored = _searches_pipelines(search, flat, least)
         room = budget if budget is not None else mesh.hardware.mem_capacity
         probing = any(p.feasible and p.memory_per_device >= PROBE_MEMORY_SHARE * room for p in plans)
         # a model that fills devices: every pipeline where they are few (seconds), else the probe
         explored = explored or (probing and _candidates(jobs, v_shaped=False) <= SMALL_SEARCH)
         searched = jobs if explored else probe_jobs(jobs) if probing else []
-        if not explored and worker is not None:   # the probe's sub-meshes are 1-D: no LP bounds
-            worker.close()
         if searched:
             with timer("search"):
                 found = branch_and_bound(prof, searched, budget, None, keep=1, incumbent=incumbent,
@@ -291,6 +291,13 @@ def pipelined_plan(prof: Profiler, best: Candidate, model, budget, timer) -> Pla
     full = Mesh((best.pp, *sub.shape), ("pp", *sub.axis_names), prof.hardware, prof.dpn)
     v = chunks_per_device(best.schedule)
     return pipelined.widen(one_stage, full, layers, best.split, m, best.schedule, budget, cap, v)
+
+
+def _searches_pipelines(search: str, flat, least: float) -> bool:
+    """The fast rule (module docstring): every pipeline is searched where search="exact", where the SPMD plan of the
+    devices as one axis (`flat`) does not fit (None) or fits only with recompute, or where its step exceeds
+    FAST_RATIO times `least`, the least lower bound of a pipeline's step."""
+    return search == "exact" or flat is None or bool(flat.recompute) or flat.predicted_step_time > FAST_RATIO * least
 
 
 def _spmd_meshes(mesh: Mesh) -> list[Mesh]:
