@@ -23,7 +23,10 @@ One capture of the whole batch (under the mixed-precision policy, with `example_
      bound with the fastest SPMD plan's step as the incumbent: a candidate is priced (its micro-batch graph captured, its stage
      SPMD problem solved) only if a lower bound of its step is below the best found so far. The bound
      needs no further capture (`Profiler.one_device_seconds`: the whole batch's one-device seconds
-     over m), so a model that SPMD already serves at near-linear scaling costs nothing more.
+     over m), so a model that SPMD already serves at near-linear scaling costs nothing more. Where the
+     1-D SPMD plan says the fast search runs (below), a worker process is forked right then to work out the
+     search's LP bounds on the second CPU while the other shapes are solved (`autopar.pipeline.bound_worker`:
+     the same plan, sooner).
      With search="fast" (the default) pipelines are searched only when the SPMD plan of the
      devices as one axis does not fit, or fits only with activation recompute (a stage holds 1 / pp of
      the layers and their activations: Llama-13B on 16 H100s in bf16 under 40 GB planned 3,386 ms on

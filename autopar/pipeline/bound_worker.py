@@ -2,19 +2,22 @@
 
 The fast search bounds each 2-D (micro-batch count, dp, tp) group by the proven bound of the group's budget-free
 tiled solve (`search.Profiler.lp_bound`: a three-layer capture, a build and an LP). Most groups the bound prunes
-come last in the search's order, after the winner is priced (bf16 Llama-3-70B x 64 H100s: 14 of 19 LP bounds,
-~8 of ~36 CPU s, with their captures). A worker forked when the search starts computes the same bounds from
-the last request backwards while the search works forwards; the search takes a bound from the worker where it
-has come back and computes it itself otherwise. A bound is a deterministic function of the model and the
-request (the same capture, build and LP in either process), so the search prunes, prices and returns exactly
-what it would alone: the worker only moves work to another CPU. A group the search then prices is solved by the
-search itself (the worker sends back the bound, not the solve).
+come last in the search's order, after the winner is priced, and so do many whose price is a quick rejection of
+that very solve's unit profile (bf16 Llama-3-70B x 64 H100s: 19 LP bounds, ~14 s of a ~37 CPU s call). A worker
+forked before the search (by the default call once its 1-D SPMD plan says the search runs, else by
+`candidates.branch_and_bound`) computes the same bounds from the last request backwards while the search works
+forwards, and sends back each bound with the budget-free unit profile behind it; the search takes those that
+have come back (the profile seeded into its Profiler: `Profiler.seed`) and computes the others itself. A bound
+and its profile are deterministic functions of the model and the request (the same capture, build and LP in
+either process), so the search prunes, prices and returns exactly what it would alone: the worker only moves
+work to another CPU. What a price needs beyond the budget-free profile (memory rows, recompute, the Solution a
+plan is built from) the search solves itself.
 
-Only where it can help and cannot harm: Linux (`os.fork`), at least two CPUs this process may run on, CUDA not
-initialised in this process, enough requests (MIN_REQUESTS), and AUTOPAR_PLAN_WORKER not "0". The worker writes
-nothing but its answers (its stdout and stderr go to /dev/null), leaves by `os._exit` (no cleanup of the
-parent's state runs twice), and is killed and reaped when the search ends; a worker that fails or hangs only
-answers fewer requests.
+Only where it can help and cannot harm: Linux (`os.fork`), at least two CPUs this process may run on, neither
+CUDA nor torch.distributed initialised in this process (a job's ranks already have the machine's CPUs), enough
+requests (MIN_REQUESTS), and AUTOPAR_PLAN_WORKER not "0". The worker writes nothing but its answers (its stdout
+and stderr go to /dev/null), leaves by `os._exit` (no cleanup of the parent's state runs twice), and is killed
+and reaped when the search ends; a worker that fails or hangs only answers fewer requests.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import os
 import pickle
 import signal
 import sys
+import warnings
 from typing import TYPE_CHECKING
 
 from autopar import config
@@ -42,7 +46,10 @@ def usable() -> bool:
     if len(os.sched_getaffinity(0)) < 2:
         return False
     torch = sys.modules.get("torch")
-    return torch is None or not torch.cuda.is_initialized()
+    if torch is None:
+        return True
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return not torch.cuda.is_initialized() and not distributed
 
 
 class BoundWorker:
@@ -66,7 +73,9 @@ class BoundWorker:
             fcntl.fcntl(write, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         except (OSError, AttributeError):
             pass
-        pid = os.fork()
+        with warnings.catch_warnings():   # Python 3.12+ warns when a process with threads forks: the worker
+            warnings.simplefilter("ignore", DeprecationWarning)   # only computes, and a hung one is killed
+            pid = os.fork()
         if pid == 0:   # the worker
             try:
                 os.close(read)

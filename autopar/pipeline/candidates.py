@@ -54,6 +54,9 @@ over tiled plans, to which a recompute-only candidate adds its least re-run; a g
 from that very solve. The forest bound leaves out most communication: on Llama-3-70B x 64 H100s (bf16) it
 stayed at 0.5-0.9 of the LP bound, so it pruned none of the seven 2-D groups whose budget-free MIPs took
 22-58 CPU s each; the LP bound was 1.13-2.2x the best step there, except one (1.0x) that is priced.
+Those LP bounds (and the budget-free profiles behind them) may come from a `BoundWorker`, a forked process
+that computes them from the far end of the search's list (`autopar.pipeline.bound_worker`): the same values,
+on another CPU.
 """
 from __future__ import annotations
 
@@ -152,7 +155,8 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
     `stats` (a dict) receives groups, groups_priced (those where some candidate was priced),
     lp_pruned (candidates the LP bound skipped) and rows_skipped. `recompute=False`: no candidate is
     priced with recompute (`price`). `worker`: a `BoundWorker` already working out this search's LP bounds
-    (`lp_requests`; the default search forks it before its SPMD shapes), else the search forks its own."""
+    (`lp_requests`; the default call forks it once its 1-D SPMD plan says the search runs), else the search forks
+    its own."""
     ordered, rerun_of = _ordered_groups(prof, jobs, budget, strategy, fast, recompute)
     own = worker is None
     worker = BoundWorker(prof, _requests(ordered, strategy, fast, incumbent), strategy) if own else worker
