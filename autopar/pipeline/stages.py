@@ -671,7 +671,7 @@ class _Priced:
     m of each, one after another, so a zero-bubble step is at least m * (the busiest device's chunk times) plus
     its per-step seconds (-inf for the other schedules, whose step is a formula). `cm[k]`: chunk k's memory
     matrix."""
-    __slots__ = ("args", "a", "e", "times", "memory", "once", "memory_max", "floor", "found")
+    __slots__ = ("args", "a", "e", "times", "memory", "once", "memory_max", "floor", "found", "fwd_bwd")
 
     def __init__(self, bounds, T, cm, m, schedule, v, per_step: np.ndarray, shared: _Shared, parts=None):
         n, p = T.shape[0], len(bounds) // v
@@ -686,12 +686,12 @@ class _Priced:
         once = _per_device(per_step[e + 1] - per_step[a] + shared.seconds[a, e] - extra_seconds, schedule, p, v)
         self.args, self.a, self.e, self.times, self.memory, self.once = (m, schedule, v, parts), a, e, times, memory, once
         self.memory_max = float(memory.max())
-        self.floor = -np.inf
+        self.floor, self.fwd_bwd = -np.inf, None
         if schedule in ZERO_BUBBLES:
             # a device runs m of each of its chunks' work one after another, from when its first forward's
             # inputs are ready: after every earlier chunk's forward (forward seconds and half of each cut)
-            fwd = parts[0][a, e]
-            fwd = fwd + (times - fwd - parts[1][a, e]) / 2
+            self.fwd_bwd = f, bwd = parts[0][a, e], parts[1][a, e]
+            fwd = f + (times - f - bwd) / 2
             head = np.r_[0.0, np.cumsum(fwd)][_zero_bubble_heads(p, m, v, schedule in V_SHAPED)]
             busy = head + m * _per_device(times, schedule, p, v)
             self.floor = float(busy.max()) * (1 - 1e-9) + float(once.max())
@@ -705,7 +705,7 @@ class _Priced:
             m, schedule, v, parts = self.args
             a, e, times, once, p = self.a, self.e, self.times, self.once, len(self.a) // v
             if schedule in ZERO_BUBBLES:   # the cut transfers (T's rest), half with the forward, half with B
-                f, bwd, w = (x[a, e] for x in parts[:3])
+                (f, bwd), w = self.fwd_bwd, parts[2][a, e]
                 cut = times - f - bwd
                 step = zero_bubble_step(f + cut / 2, bwd - w + cut / 2, w, m, v, schedule in V_SHAPED)
             else:
