@@ -54,9 +54,9 @@ over tiled plans, to which a recompute-only candidate adds its least re-run; a g
 from that very solve. The forest bound leaves out most communication: on Llama-3-70B x 64 H100s (bf16) it
 stayed at 0.5-0.9 of the LP bound, so it pruned none of the seven 2-D groups whose budget-free MIPs took
 22-58 CPU s each; the LP bound was 1.13-2.2x the best step there, except one (1.0x) that is priced.
-Those LP bounds (and the budget-free profiles behind them) may come from a `BoundWorker`, a forked process
-that computes them from the far end of the search's list (`autopar.pipeline.bound_worker`): the same values,
-on another CPU.
+Those LP bounds (and the budget-free profiles behind them) may come from a `BoundWorker`, a forked process that
+computes them ahead of the search, in the order it asks for them (`autopar.pipeline.bound_worker`): the same
+values, on another CPU.
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ import numpy as np
 from autopar.costmodel.memory import format_bytes
 from autopar.errors import InfeasiblePlanError
 from autopar.mesh import Mesh
-from autopar.pipeline.bound_worker import BoundWorker
+from autopar.pipeline.bound_worker import BoundWorker, Request
 from autopar.pipeline.stages import (
     INTERLEAVE,
     INTERLEAVED,
@@ -173,14 +173,15 @@ def branch_and_bound(prof: Profiler, jobs, budget, strategy, keep: int, incumben
 
 
 def lp_requests(prof: Profiler, jobs, budget, strategy=None, fast: bool = True, recompute: bool = True,
-                incumbent: float = float("inf")) -> list[tuple]:
+                incumbent: float = float("inf")) -> list[Request]:
     """The LP bounds (`Profiler.lp_bound`'s m, dp, tp, ratio) that `branch_and_bound` with these arguments may ask
-    for, in its order (accumulation's among them): what a `BoundWorker` works out from the last one back."""
+    for, in its order (accumulation's among them), each with the first bound that decides whether it asks
+    (`bound_worker.Request`): what a `BoundWorker` works out ahead of it."""
     return _requests(_ordered_groups(prof, jobs, budget, strategy, fast, recompute)[0], strategy, fast, incumbent)
 
 
-def _requests(ordered: list[list[tuple]], strategy, fast: bool, incumbent: float) -> list[tuple]:
-    return [(m, dp, tp, step_weight(pp, m)) for group in ordered for bound, pp, dp, tp, m, s in group
+def _requests(ordered: list[list[tuple]], strategy, fast: bool, incumbent: float) -> list[Request]:
+    return [Request(m, dp, tp, step_weight(pp, m), bound) for group in ordered for bound, pp, dp, tp, m, s in group
             if fast and strategy is None and min(dp, tp) > 1 and bound <= incumbent]
 
 
@@ -224,6 +225,7 @@ def _walk(prof: Profiler, ordered: list[list[tuple]], budget, strategy, keep: in
     # cutoff early (Llama-3-70B x 64: 1 x 8 x 8, m 2 fits, and a pipeline group's rows are then skipped)
     waiting: list[tuple] = []
     last = False   # pricing the accumulation that waited, under the cutoff of the rest
+    worker.cutoff(cutoff)
     for group in ordered + [[]]:
         if not group:   # every other candidate priced: the accumulation that waited
             group, last = sorted(waiting), True
@@ -258,6 +260,7 @@ def _walk(prof: Profiler, ordered: list[list[tuple]], budget, strategy, keep: in
             fastest = sorted(fastest + [c.step_time for c in new if c.feasible])[:keep]
             # the bound is a sum of the same terms in another order: allow for float rounding
             cutoff = min(incumbent, fastest[-1] * (1 + 1e-9) if len(fastest) == keep else float("inf"))
+            worker.cutoff(cutoff)   # what it will not ask for, its worker leaves
         priced += priced_here
     return found, priced, lp_pruned
 

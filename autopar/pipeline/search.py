@@ -144,6 +144,7 @@ class Profiler:
         self.weighted_views: dict[tuple, tuple] = {}        # (CostProblem key, weights) -> (CostProblem, its `weighted` view)
         self.solutions: dict[tuple, object] = {}            # layers()'s key -> the solver's Solution (plans build from it)
         self.seeded: dict[tuple, tuple] = {}                # layers()'s key -> a budget-free profile solved elsewhere (`seed`)
+        self.helper = None                                  # a weakref to a BoundWorker solving profiles ahead (`layers`)
         self.recomputes: dict[tuple, tuple] = {}            # layers()'s key -> `recomputed`'s answer
         self.expanded: tuple = (None, None)                 # (CostProblem, recompute.expand of it): the last one
 
@@ -242,8 +243,17 @@ class Profiler:
         InfeasiblePlanError when the SPMD plan cannot fit the memory row `budget`, in which
         activations count `act_weight` times (micro-batches in flight, `candidates.price`). The solver
         minimises (per micro-batch seconds) + `step_weight` * (per step seconds), the pipeline's step
-        formula over its factor on the first (`step_weight(pp, m)`); the profile prices the plan unweighted."""
+        formula over its factor on the first (`step_weight(pp, m)`); the profile prices the plan unweighted.
+        A budget-free profile the `helper` (`autopar.pipeline.bound_worker`) has solved or is solving is taken from it."""
         key = self._profile_key(m, dp, tp, budget, strategy, act_weight, step_weight)
+        helper = self.helper() if self.helper is not None else None
+        if (budget is None and helper is not None and strategy == helper.strategy
+                and key not in self.profiles and key not in self.seeded):
+            helper.profile(m, dp, tp, step_weight)   # seeds it where the worker has it
+        return self._profile(key, m, dp, tp, budget, strategy, step_weight)
+
+    def _profile(self, key: tuple, m: int, dp: int, tp: int, budget: float | None, strategy, step_weight: float):
+        """`layers` without its helper: the seeded profile, else the cached or solved one."""
         act_weight = key[-2]
         if key not in self.profiles and key in self.seeded:
             return self.seeded[key]
@@ -271,7 +281,7 @@ class Profiler:
         the profile was seeded (`seed`)."""
         key = self._profile_key(m, dp, tp, budget, strategy, act_weight, step_weight)
         self.seeded.pop(key, None)
-        self.layers(m, dp, tp, budget, strategy, act_weight, step_weight)
+        self._profile(key, m, dp, tp, budget, strategy, step_weight)
         return self.solutions[key]
 
     def seed(self, m: int, dp: int, tp: int, strategy, step_weight: float, layers: tuple[LayerCost, ...]) -> None:
