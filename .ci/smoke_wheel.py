@@ -103,6 +103,10 @@ def train_rank() -> None:
     if dist.get_rank() == 0:
         print(f"train: loss {loss:.6f} (one process: {expected:.6f}), mesh {pmodel.plan.mesh}")
     dist.destroy_process_group()
+    # as examples/train_gpt.py: no interpreter shutdown while gloo's threads may still release a collective
+    # (docs/debugging.md, "A rank that aborts after its last step")
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def main() -> None:
