@@ -1,6 +1,6 @@
 """The layout search's bound worker (autopar/pipeline/bound_worker.py): a forked process that works out the fast
-search's LP bounds ahead of it, in the order it asks for them. It may only move work to another CPU: the search with it prices
-exactly what it prices alone, and a worker that fails leaves the search to itself."""
+search's LP bounds ahead of it, in the order it asks for them. It may only move work to another CPU: the search
+with it prices exactly what it prices alone, and a worker that fails leaves the search to itself."""
 from __future__ import annotations
 
 import os

@@ -194,6 +194,8 @@ class BoundWorker:
             self._read(0.0)
 
     def _tell(self, job: int, cutoff: float) -> None:
+        if self.ended:   # nobody reads any more (and a process that does not ignore SIGPIPE would die writing)
+            return
         try:
             os.write(self.tells, _TELL.pack(job, cutoff))
         except OSError:   # a worker gone (broken pipe) or far behind (full pipe): nothing to tell
