@@ -219,10 +219,12 @@ def _cmd_calibrate(args) -> int:
 
     from autopar.calibration.measure import calibrate, size_range
 
+    job = False   # this process is a torchrun rank that only runs this command
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if "RANK" in os.environ:      # under torchrun
             dist.init_process_group(backend)
+            job = True
         else:  # a plain process: a world of one (compute only, no links), with no port and no
             # environment left behind (a later torchrun-less process would read RANK/MASTER_PORT)
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -236,6 +238,11 @@ def _cmd_calibrate(args) -> int:
             print(f"saved {args.out}")
     finally:
         dist.destroy_process_group()
+    if job:   # no interpreter shutdown while gloo's threads may still release a collective's tensors: it can
+        # abort the rank (docs/debugging.md, "A rank that aborts after its last step")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
