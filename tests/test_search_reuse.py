@@ -55,7 +55,8 @@ def test_recompute_time_optimum_on_the_kept_half_gives_the_full_solve():
     free = solve(ex.cg, dedup_layers=True)
     least = min_memory(ex.cg)
     assert least < free.memory
-    for budget in (None, least * 1.02):
+    for budget in (None, least * 1.3):   # 1.3 x the least memory: the plan recomputes every layer it can (so it did
+        # at 1.02 x, where each of the two memory-row MIPs took ~55 s; the budget-free plan holds 2.05 x)
         ex.cg.memory_budget = budget
         full = solve(ex.cg, dedup_layers=True)
         half = solve(ex.cg, dedup_layers=True, time_within=kept_half(ex))
@@ -63,7 +64,7 @@ def test_recompute_time_optimum_on_the_kept_half_gives_the_full_solve():
         assert half.lower_bound <= full.time * (1 + 1e-9)
         assert np.isclose(half.time, full.time, rtol=5e-4), (budget, half.time, full.time)   # the MIP gaps
         assert budget is None or evaluate(ex.cg, half.choice)[1] <= budget
-    assert any(half.choice[h] == 1 for h in ex.hubs.values())   # the tightest row recomputes
+    assert any(half.choice[h] == 1 for h in ex.hubs.values())   # the row recomputes
 
 
 def test_refine_deltas_equal_whole_graph_evaluations():
