@@ -91,6 +91,7 @@ def train_rank() -> None:
 
     import autopar
     from autopar._testing.gpt import GPT, GPTConfig
+    from autopar.runtime.launch import leave_job
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
     ids = torch.randint(0, 64, (8, 16))
@@ -103,10 +104,7 @@ def train_rank() -> None:
     if dist.get_rank() == 0:
         print(f"train: loss {loss:.6f} (one process: {expected:.6f}), mesh {pmodel.plan.mesh}")
     dist.destroy_process_group()
-    # as examples/train_gpt.py: no interpreter shutdown while gloo's threads may still release a collective
-    # (docs/debugging.md, "A rank that aborts after its last step")
-    sys.stdout.flush()
-    os._exit(0)
+    leave_job()   # no interpreter shutdown while gloo's threads may still release a collective (its docstring)
 
 
 def main() -> None:

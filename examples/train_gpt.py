@@ -33,6 +33,7 @@ HERE = Path(__file__).resolve().parent
 from autopar import autoparallelize
 from autopar._testing.gpt import GPT, GPTConfig
 from autopar.runtime import checkpoint
+from autopar.runtime.launch import leave_job
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -214,11 +215,6 @@ def main(argv=None) -> list[float]:
 
 if __name__ == "__main__":
     main()
-    # Leave without the interpreter's shutdown: under gloo, a worker thread of torch's process group may release
-    # a finished collective (the last barrier keeps the collectives before it) only after this line; if the
-    # interpreter is shutting down by then, its tensors' release takes the GIL and aborts the process
-    # ("terminate called without an active exception", rc -6: 4 of 18 runs of the 4-rank ZeRO-3 job beside a CPU
-    # hog; the mechanism of pytorch/pytorch#179291). Everything is written and the process group destroyed by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # without the interpreter's shutdown, which can abort a gloo rank whose threads still release a collective
+    # (its docstring); everything is written and the process group destroyed by now
+    leave_job()

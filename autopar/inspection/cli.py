@@ -238,11 +238,9 @@ def _cmd_calibrate(args) -> int:
             print(f"saved {args.out}")
     finally:
         dist.destroy_process_group()
-    if job:   # no interpreter shutdown while gloo's threads may still release a collective's tensors: it can
-        # abort the rank (docs/debugging.md, "A rank that aborts after its last step")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    if job:   # no interpreter shutdown while gloo's threads may still release a collective's tensors
+        from autopar.runtime.launch import leave_job
+        leave_job()
     return 0
 
 
